@@ -1,0 +1,31 @@
+// Peer access and cross-device ordering for the single-process multi-GPU ops.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace vlseq::peer {
+
+// True when device `dev` can load and store `peer`'s memory directly. The first query for a pair
+// enables access through at::cuda::get_p2p_access (which also maps PyTorch's expandable segments)
+// and then proves it with a real read of a known value, because the driver's capability answer
+// has been wrong on some systems. VLSEQ_DISABLE_P2P=1 makes every pair answer false.
+bool can_access(int dev, int peer, std::string* why);
+
+// True when every ordered pair of `devs` can; otherwise `why` names the first failing pair.
+bool all_can_access(const std::vector<int>& devs, std::string* why);
+
+// Serialises the host-side orchestration of the multi-device ops (it reuses one event per device).
+std::mutex& op_mutex();
+
+// Every device's current stream waits until every other device's current stream has reached this
+// point. Host-side only: records one event per device, then queues the waits; never blocks the CPU.
+void barrier(const std::vector<int>& devs);
+
+// `waiter`'s current stream waits for work queued so far on `producer`'s current stream.
+void wait_for(int waiter, int producer);
+
+}  // namespace vlseq::peer

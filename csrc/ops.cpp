@@ -1,0 +1,37 @@
+// The whole op surface of vlseq_ext. Kernels live in csrc/cpu (CPU) and csrc/cuda (CUDA);
+// fake (meta) implementations and thin wrappers are in vlseq_ext/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing vlseq_ext._C loads this shared object, which runs the registrations below.
+// No pybind11: the module is empty and built against the limited API.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(vlseq_ext, m) {
+  // out[sum(numels[:i]) : sum(numels[:i+1])] = tensors[i].flatten() * scale; None -> zeros.
+  // One kernel launch for the whole list on CUDA.
+  m.def("flatten_(Tensor?[] tensors, int[] numels, Tensor(a!) out, float scale) -> ()");
+  // Inverse of flatten_: tensors[i] = flat[slice i].view_as(tensors[i]) * scale. One launch.
+  m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
+  // One flat buffer per device (distinct devices, same numel/dtype). Afterwards every buffer
+  // holds the sum (or mean) over buffers 0..N-1 in that fixed order, bit-identical everywhere.
+  // algo: auto | one_shot | two_shot | copy_engine.
+  m.def("all_reduce_(Tensor(a!)[] buffers, str op, str algo=\"auto\") -> ()");
+  // dsts[i] = src for every destination (on other devices), over the peer path.
+  m.def("broadcast_(Tensor src, Tensor(a!)[] dsts) -> ()");
+  // Fused flatten + all-reduce + unflatten of per-device tensor lists. `tensors` is
+  // device-major: num_devices lists of P tensors each. Afterwards tensors[d*P + p] =
+  // scale * sum_{e=0..N-1} tensors[e*P + p] for every d, bit-identical on every device.
+  m.def("all_reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale) -> ()");
+  // Multi-tensor broadcast: dsts is device-major, len(dsts) = k * len(srcs);
+  // dsts[d*P + p] = srcs[p]. One launch per destination device.
+  m.def("broadcast_tensors_(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
+  // Which transfer path all_reduce_ would take for these buffers: "p2p", "copy_engine: <why>",
+  // "single" (one buffer) or "cpu".
+  m.def("p2p_status(Tensor[] buffers) -> str");
+}
