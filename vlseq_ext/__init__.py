@@ -1,4 +1,8 @@
 """vlseq_ext: fast, exact multi-GPU training of sequence models on variable-length samples."""
 from . import ops
+from .comm import GradientMerger
+from .models import SeqModel
+from .trainer import ParallelTrainer
 
+__all__ = ["ops", "GradientMerger", "SeqModel", "ParallelTrainer"]
 __version__ = "0.1.0"

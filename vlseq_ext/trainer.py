@@ -1,0 +1,543 @@
+"""ParallelTrainer: drop-in multi-device training on variable-length samples with exact gradients.
+
+It replaces the seed's replicate / scatter / parallel_apply / stack-sum loop (DESIGN.md §1):
+
+    model = SeqModel().cuda(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    trainer = ParallelTrainer(model, optimizer, nn.MSELoss())
+    for samples, targets in steps:           # lists of (L_i, 36) tensors and their targets
+        loss = trainer.step(samples, targets)
+
+One step: samples go to devices by length (longest first, LPT), every device runs forward +
+backward on its replica (one persistent replica per device; the master model is the replica on
+its own device), one fused P2P all-reduce merges the gradients, the user's optimizer steps once
+on the master, and a P2P broadcast copies parameters and buffers back to the replicas.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .comm import GradientMerger
+from .graphs import GraphCache
+from .losses import PerSampleLoss, stack_targets
+
+DeviceLike = Union[str, int, torch.device]
+
+
+def parse_devices(devices: Optional[Sequence[DeviceLike]]) -> List[torch.device]:
+    """None -> every visible GPU (or one CPU device when there is none). Validates existence and
+    rejects duplicate GPUs; several "cpu" entries are allowed (CPU replicas, for testing)."""
+    if devices is None:
+        n = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(n)] if n else [torch.device("cpu")]
+    if isinstance(devices, (str, int, torch.device)):
+        raise ValueError(f"devices must be a list, got {devices!r}")
+    out: List[torch.device] = []
+    for d in devices:
+        try:
+            dev = torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices: cannot parse {d!r} as a device ({exc})") from None
+        if dev.type == "cuda":
+            if dev.index is None:
+                dev = torch.device("cuda", 0)
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev.index >= n:
+                raise ValueError(f"devices: {dev} does not exist ({n} CUDA device(s) visible)")
+            if dev in out:
+                raise ValueError(f"devices: {dev} is listed twice")
+        elif dev.type != "cpu":
+            raise ValueError(f"devices: only CUDA and CPU devices are supported, got {dev}")
+        out.append(dev)
+    if not out:
+        raise ValueError("devices is empty")
+    if len({d.type for d in out}) > 1:
+        raise ValueError(f"devices mixes CPU and CUDA: {[str(d) for d in out]}")
+    return out
+
+
+def assign_lpt(lengths: Sequence[int], num_devices: int, capacity: int) -> List[List[int]]:
+    """Longest-processing-time-first assignment of samples (by length) to devices, at most
+    `capacity` per device, so the devices finish together. Returns sample indices per device."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * num_devices
+    groups: List[List[int]] = [[] for _ in range(num_devices)]
+    for i in order:
+        d = min((d for d in range(num_devices) if len(groups[d]) < capacity), key=lambda d: (loads[d], d))
+        groups[d].append(i)
+        loads[d] += lengths[i]
+    return groups
+
+
+def _model_input_dim(model: nn.Module) -> Optional[int]:
+    dim = getattr(model, "input_dim", None)
+    if isinstance(dim, int):
+        return dim
+    for m in model.modules():
+        if isinstance(m, nn.RNNBase):
+            return m.input_size
+    return None
+
+
+class ParallelTrainer:
+    """Trains `model` with `optimizer` on several devices of one process.
+
+    Args:
+        model: the user's model, on one of `devices` (or on CPU; it is then moved to devices[0]).
+            It maps one sample (L, D) to an output (1, O); if it also maps a list of samples to
+            (B, O) (like SeqModel), k samples per device run as one packed batch.
+        optimizer: built over model.parameters(), as in the seed; it steps once per step on the
+            master model.
+        loss_fn: loss_fn(output, target) for one sample, e.g. nn.MSELoss(). The step's loss is
+            the sum over samples (reduction="sum", the seed's semantics) or the mean over the
+            step's true sample count (reduction="mean"), so a short tail step gives exactly the
+            gradient one device would compute on the same samples.
+        devices: None (all visible GPUs), or a list such as ["cuda:0", "cuda:1"] or ["cpu", "cpu"].
+        samples_per_device: k samples per device per step.
+        cuda_graphs: replay a per-length CUDA graph for one-sample forward + backward (exactly the
+            eager gradient; see vlseq_ext.graphs). False runs everything eagerly.
+        pack: "auto" (pack when the model accepts a list), True, or False (k per-sample passes).
+        clip_grad_norm: clip the merged gradient to this global L2 norm.
+        amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
+        accumulation_steps: optimizer steps every this many calls of step().
+        nonfinite: "skip" (skip the optimizer step on a NaN/inf gradient, count it, warn),
+            "raise" (FloatingPointError), or "ignore". "skip"/"raise" read one flag per step
+            from the GPU.
+        graph_cache_size, graph_memory_bytes: bounds on the per-device graph cache; past them
+            new lengths run eagerly.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, devices=None,
+                 samples_per_device: int = 1, reduction: str = "sum", cuda_graphs: bool = True,
+                 pack: Union[str, bool] = "auto", clip_grad_norm: Optional[float] = None, amp: Optional[str] = None,
+                 accumulation_steps: int = 1, nonfinite: str = "skip", graph_cache_size: int = 1024,
+                 graph_memory_bytes: Optional[int] = None) -> None:
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        if not isinstance(samples_per_device, int) or samples_per_device < 1:
+            raise ValueError(f"samples_per_device must be a positive int, got {samples_per_device!r}")
+        if amp not in (None, "bf16"):
+            raise ValueError(f"amp must be None or 'bf16', got {amp!r}")
+        if nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
+        if pack not in ("auto", True, False):
+            raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
+        params = list(model.parameters())
+        if not params:
+            raise ValueError("the model has no parameters")
+        model_param_ids = {id(p) for p in params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in model_param_ids:
+                    raise ValueError("the optimizer holds a parameter that is not one of the model's; "
+                                     "build it over model.parameters()")
+
+        self.devices = parse_devices(devices)
+        master_dev = params[0].device
+        if any(p.device != master_dev for p in params):
+            raise ValueError("the model's parameters are on several devices; put the model on one device")
+        if master_dev not in self.devices:
+            if optimizer.state:
+                raise ValueError(f"the model is on {master_dev}, which is not in devices, and the optimizer "
+                                 "already holds state there; move the model before building the optimizer")
+            model.to(self.devices[0])
+            master_dev = self.devices[0]
+        self.master_index = self.devices.index(master_dev)
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.per_sample_loss = PerSampleLoss(loss_fn)
+        self.samples_per_device = samples_per_device
+        self.samples_per_step = samples_per_device * len(self.devices)
+        self.reduction = reduction
+        self.pack = pack
+        self.clip_grad_norm = clip_grad_norm
+        self.amp = amp
+        self.accumulation_steps = accumulation_steps
+        self.nonfinite = nonfinite
+        self.input_dim = _model_input_dim(model)
+        self.is_cuda = self.devices[0].type == "cuda"
+
+        self.replicas: List[nn.Module] = []
+        for i, dev in enumerate(self.devices):
+            if i == self.master_index:
+                self.replicas.append(model)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deepcopy of a cuDNN RNN; .to() re-flattens it
+                    self.replicas.append(copy.deepcopy(model).to(dev))
+        for r in self.replicas:
+            r.train(model.training)
+            for m in r.modules():
+                if isinstance(m, nn.RNNBase):
+                    m.flatten_parameters()
+        self.replica_params = [list(r.parameters()) for r in self.replicas]
+        self._static_grads = [[torch.zeros_like(p) for p in ps] for ps in self.replica_params]
+        self._attach_grads()
+        self.merger = GradientMerger(self.replica_params)
+        self.loss_acc = [torch.zeros((), dtype=torch.float32, device=d) for d in self.devices]
+
+        self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
+        self.graph_caches: List[Optional[GraphCache]] = [None] * len(self.devices)
+        if self.cuda_graphs:
+            for i, (r, dev) in enumerate(zip(self.replicas, self.devices)):
+                self.graph_caches[i] = GraphCache(r, dev, self._one_sample_loss, self._autocast, self.loss_acc[i],
+                                                  max_graphs=graph_cache_size, max_bytes=graph_memory_bytes)
+        self._accepts_list: Optional[bool] = None
+        self._micro_step = 0
+        self._window_samples = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[Tensor] = None
+        self.sync_replicas()
+
+    # ---------------------------------------------------------------------------------------
+    # helpers
+    def _autocast(self):
+        if self.amp is None:
+            return contextlib.nullcontext()
+        # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
+        return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
+
+    def _one_sample_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.per_sample_loss(output, target)[0]
+
+    def _attach_grads(self) -> None:
+        """Give every replica parameter its static grad tensor (CUDA graphs captured their
+        addresses), e.g. after optimizer.zero_grad(set_to_none=True) dropped them."""
+        for ps, gs in zip(self.replica_params, self._static_grads):
+            for p, g in zip(ps, gs):
+                if p.grad is not g:
+                    p.grad = g
+
+    def _zero_grads(self) -> None:
+        self._attach_grads()
+        for gs in self._static_grads:
+            torch._foreach_zero_(gs)
+
+    @staticmethod
+    def _as_tensor(x: Any, what: str) -> Tensor:
+        if isinstance(x, Tensor):
+            return x
+        try:
+            return torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{what} is not a tensor ({exc})") from None
+
+    def _validate(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tuple[List[Tensor], List[Tensor]]:
+        """Normalises and checks one step's input before any work, so bad input changes nothing."""
+        if isinstance(samples, Tensor) or not isinstance(samples, (list, tuple)):
+            raise ValueError("samples must be a list of (L, D) tensors")
+        if len(samples) == 0:
+            raise ValueError("empty step: no samples")
+        if isinstance(targets, Tensor):
+            targets = list(targets) if targets.dim() > 0 and targets.shape[0] == len(samples) else [targets]
+        if len(targets) != len(samples):
+            raise ValueError(f"got {len(samples)} samples but {len(targets)} targets")
+        if len(samples) > self.samples_per_step:
+            raise ValueError(f"got {len(samples)} samples but a step takes at most {self.samples_per_step} "
+                             f"({len(self.devices)} devices x {self.samples_per_device})")
+        xs, ys = [], []
+        for i, (x, y) in enumerate(zip(samples, targets)):
+            x = self._as_tensor(x, f"sample {i}")
+            y = self._as_tensor(y, f"target {i}")
+            if x.dim() == 3 and x.shape[0] == 1:  # a DataLoader(batch_size=1) sample
+                x = x[0]
+            if x.dim() != 2:
+                raise ValueError(f"sample {i} has shape {tuple(x.shape)}; expected (length, features)")
+            if x.shape[0] == 0:
+                raise ValueError(f"sample {i} has length 0")
+            if self.input_dim is not None and x.shape[1] != self.input_dim:
+                raise ValueError(f"sample {i} has {x.shape[1]} features, model expects {self.input_dim}")
+            if not x.is_floating_point():
+                raise ValueError(f"sample {i} has dtype {x.dtype}; expected a floating-point tensor")
+            if y.numel() == 0:
+                raise ValueError(f"target {i} is empty")
+            xs.append(x)
+            ys.append(y)
+        return xs, ys
+
+    def _model_accepts_list(self, xs: List[Tensor]) -> bool:
+        if self.pack is not True and self.pack is not False:
+            if self._accepts_list is None:
+                probe = [x[:2].to(self.devices[self.master_index]) for x in xs[:2]]
+                try:
+                    with torch.no_grad():
+                        out = self.model(probe)
+                    self._accepts_list = isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == len(probe)
+                except Exception:  # any model that rejects a list runs per sample
+                    self._accepts_list = False
+            return self._accepts_list
+        return bool(self.pack)
+
+    # ---------------------------------------------------------------------------------------
+    # per-device work
+    def _to(self, t: Tensor, dev: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return t.to(dev, dtype=dtype, non_blocking=True)
+
+    def _run_device(self, d: int, xs: List[Tensor], ys: List[Tensor], packed: bool) -> None:
+        """Forward + backward of the given samples on device d; adds the summed per-sample loss to
+        loss_acc[d] and the gradient to the replica's grads (queued, no host sync)."""
+        replica, dev = self.replicas[d], self.devices[d]
+        pdtype = self.replica_params[d][0].dtype
+        xs = [self._to(x, dev, pdtype) for x in xs]
+        cache = self.graph_caches[d]
+        if packed and len(xs) > 1:
+            with self._autocast():
+                out = replica(xs)
+            out = out.float()
+            target = self._to(stack_targets(ys, out.shape[-1]), dev)
+            loss = self.per_sample_loss(out, target).sum()
+            loss.backward()
+            self.loss_acc[d].add_(loss.detach())
+            return
+        for x, y in zip(xs, ys):
+            if cache is not None:
+                cache.run(x, self._to(stack_targets([y], self._output_dim(y)), dev))
+                continue
+            with self._autocast():
+                out = replica(x)
+            out = out.float()
+            target = self._to(stack_targets([y], out.shape[-1]), dev)
+            loss = self._one_sample_loss(out, target)
+            loss.backward()
+            self.loss_acc[d].add_(loss.detach())
+
+    def _output_dim(self, y: Tensor) -> int:
+        # Float targets with O elements go with an (1, O) output; class indices with any O.
+        return y.numel() if y.is_floating_point() else -1
+
+    # ---------------------------------------------------------------------------------------
+    # public API
+    def compute_gradients(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tensor:
+        """Forward and backward of one step's samples on every device, then the gradient merge.
+        Leaves the merged gradient (sum, or mean over these samples) in the master model's .grad;
+        no optimizer step. Returns the step's loss as a 0-dim tensor on the master device."""
+        xs, ys = self._validate(samples, targets)
+        loss = self._forward_backward(xs, ys, zero=True)
+        self._merge(len(xs))
+        return self._scaled(loss, len(xs))
+
+    def step(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tensor:
+        """compute_gradients, then clipping, the non-finite guard, the optimizer step on the master
+        and the parameter sync to every replica. With accumulation_steps=a, gradients accumulate
+        over a calls and the optimizer steps on the a-th. Returns the loss of these samples
+        (sum or mean per `reduction`) as a 0-dim tensor on the master device."""
+        xs, ys = self._validate(samples, targets)
+        first = self._micro_step == 0
+        loss = self._forward_backward(xs, ys, zero=first)
+        self._micro_step += 1
+        self._window_samples += len(xs)
+        if self._micro_step < self.accumulation_steps:
+            return self._scaled(loss, len(xs))
+        n = self._window_samples
+        self._micro_step = 0
+        self._window_samples = 0
+        self._merge(n)
+        self._optimizer_step()
+        return self._scaled(loss, len(xs))
+
+    def _forward_backward(self, xs: List[Tensor], ys: List[Tensor], zero: bool) -> Tensor:
+        for r in self.replicas:
+            if r.training != self.model.training:
+                r.train(self.model.training)
+        if zero:
+            self._zero_grads()
+        else:
+            self._attach_grads()
+        for acc in self.loss_acc:
+            acc.zero_()
+        groups = assign_lpt([x.shape[0] for x in xs], len(self.devices), self.samples_per_device)
+        packed = self.samples_per_device > 1 and self._model_accepts_list(xs)
+        with torch.profiler.record_function("vlseq::forward_backward"):
+            for d, idx in enumerate(groups):
+                if not idx:
+                    continue
+                ctx = torch.cuda.device(self.devices[d]) if self.is_cuda else contextlib.nullcontext()
+                with ctx:
+                    self._run_device(d, [xs[i] for i in idx], [ys[i] for i in idx], packed)
+        master = self.devices[self.master_index]
+        total = self.loss_acc[self.master_index].clone()
+        for d, acc in enumerate(self.loss_acc):
+            if d != self.master_index:
+                total += acc.to(master, non_blocking=True)
+        return total
+
+    def _scaled(self, loss: Tensor, n: int) -> Tensor:
+        return loss / n if self.reduction == "mean" else loss
+
+    def _merge(self, n: int) -> None:
+        with torch.profiler.record_function("vlseq::merge"):
+            self.merger.merge(1.0 / n if self.reduction == "mean" else 1.0)
+
+    def _optimizer_step(self) -> None:
+        self.last_grad_norm = None
+        if self.clip_grad_norm is not None or self.nonfinite != "ignore":
+            with torch.profiler.record_function("vlseq::grad_norm"):
+                # Global L2 norm on the master's flat gradient buffer; no host sync.
+                self.last_grad_norm = self.merger.grad_norm(self.master_index)
+                if self.clip_grad_norm is not None:
+                    coef = torch.clamp(self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
+                    torch._foreach_mul_(self._static_grads[self.master_index], coef)
+            if self.nonfinite != "ignore" and not bool(torch.isfinite(self.last_grad_norm)):
+                self.skipped_steps += 1
+                self.global_step += 1
+                if self.nonfinite == "raise":
+                    raise FloatingPointError(f"non-finite gradient at step {self.global_step}; no update was made")
+                warnings.warn(f"vlseq_ext: non-finite gradient at step {self.global_step}; skipped the optimizer "
+                              f"step ({self.skipped_steps} skipped so far)", RuntimeWarning)
+                return
+        with torch.profiler.record_function("vlseq::optimizer"):
+            self.optimizer.step()
+        self.global_step += 1
+        with torch.profiler.record_function("vlseq::sync"):
+            self.sync_replicas(buffers_only=False)
+
+    def sync_replicas(self, buffers_only: bool = False) -> None:
+        """Copy the master's parameters (unless buffers_only) and buffers into every replica, over
+        the P2P broadcast. Call it after changing the master's weights outside step()."""
+        if len(self.replicas) == 1:
+            return
+        others = [i for i in range(len(self.replicas)) if i != self.master_index]
+        with torch.no_grad():
+            if not buffers_only:
+                ops.broadcast_tensors_([p.detach() for p in self.replica_params[self.master_index]],
+                                       [[p.detach() for p in self.replica_params[i]] for i in others])
+            master_bufs = list(self.model.buffers())
+            if master_bufs:
+                for i in others:
+                    for src, dst in zip(master_bufs, self.replicas[i].buffers()):
+                        dst.copy_(src, non_blocking=True)
+
+    def evaluate(self, samples: Sequence[Tensor], targets: Optional[Sequence[Any]] = None,
+                 batch_size: int = 64) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """Outputs (B, O) of the master model for `samples`, without gradients (eval mode for the
+        duration), on the master device. With targets, returns (outputs, per-sample losses (B,))."""
+        xs, ys = self._validate_eval(samples, targets if targets is not None else [torch.zeros(1)] * len(samples))
+        dev = self.devices[self.master_index]
+        dtype = self.replica_params[self.master_index][0].dtype
+        was_training = self.model.training
+        self.model.eval()
+        outs = []
+        try:
+            with torch.no_grad(), self._autocast():
+                packed = len(xs) > 1 and self._model_accepts_list(xs)
+                for s in range(0, len(xs), batch_size):
+                    chunk = [x.to(dev, dtype=dtype) for x in xs[s:s + batch_size]]
+                    outs.append(self.model(chunk) if packed and len(chunk) > 1 else torch.cat([self.model(x) for x in chunk]))
+        finally:
+            self.model.train(was_training)
+        out = torch.cat(outs).float()
+        if targets is None:
+            return out
+        return out, self.per_sample_loss(out, stack_targets(ys, out.shape[-1]).to(dev))
+
+    def _validate_eval(self, samples, targets):
+        xs, ys = [], []
+        for s in range(0, len(samples), self.samples_per_step):
+            a, b = self._validate(list(samples[s:s + self.samples_per_step]), list(targets[s:s + self.samples_per_step]))
+            xs += a
+            ys += b
+        return xs, ys
+
+    def warmup(self, lengths: Iterable[int], target: Optional[Tensor] = None) -> None:
+        """Capture CUDA graphs for these sample lengths on every device ahead of training (the
+        one-sample path), so timing and the first epoch do not pay for captures. Leaves
+        gradients, losses and parameters as they were."""
+        if not self.cuda_graphs:
+            return
+        target = torch.zeros(1) if target is None else target
+        dim = self.input_dim or 1
+        for d, cache in enumerate(self.graph_caches):
+            with torch.cuda.device(self.devices[d]):
+                y = self._to(stack_targets([target], self._output_dim(target)), self.devices[d])
+                for L in sorted(set(int(v) for v in lengths), reverse=True):
+                    cache.run(torch.randn(L, dim, device=self.devices[d]), y)
+        self._zero_grads()
+        for acc in self.loss_acc:
+            acc.zero_()
+
+    def graph_stats(self) -> List[Dict[str, int]]:
+        return [c.stats() for c in self.graph_caches if c is not None]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                "micro_step": self._micro_step, "window_samples": self._window_samples}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the counters and re-sync every replica from the master model (load the model
+        and optimizer state first)."""
+        self.global_step = int(state.get("global_step", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._micro_step = int(state.get("micro_step", 0))
+        self._window_samples = int(state.get("window_samples", 0))
+        self.sync_replicas()
+
+    def fit(self, data, epochs: int = 1, max_steps: Optional[int] = None, shuffle: bool = False,
+            seed: int = 0, val_data=None, log_every: int = 0) -> List[Dict[str, float]]:
+        """Train on `data`: a Dataset or DataLoader yielding (x, y) per sample as in the seed
+        (x of shape (L, D), or (1, L, D) from a DataLoader with batch_size=1). Consecutive samples
+        form steps of samples_per_step; the last step of an epoch may be short. Returns one dict
+        per epoch: loss (per-sample mean), samples, steps, samples_per_s, skipped_steps and, with
+        val_data, val_loss."""
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        history: List[Dict[str, float]] = []
+        steps_done = 0
+        for epoch in range(epochs):
+            order = None
+            if shuffle and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+                g = torch.Generator().manual_seed(seed + epoch)
+                order = torch.randperm(len(data), generator=g).tolist()
+            it = (data[i] for i in order) if order is not None else iter(data)
+            t0 = time.perf_counter()
+            total = torch.zeros((), device=self.devices[self.master_index])
+            n = steps = 0
+            batch: List[Tuple[Any, Any]] = []
+            stop = False
+            for item in it:
+                batch.append(item)
+                if len(batch) == self.samples_per_step:
+                    total += self._fit_step(batch)
+                    n, steps, batch = n + len(batch), steps + 1, []
+                    if max_steps is not None and steps_done + steps >= max_steps:
+                        stop = True
+                        break
+            if batch and not stop:
+                total += self._fit_step(batch)
+                n, steps = n + len(batch), steps + 1
+            if n == 0:
+                raise ValueError("empty dataset: no samples to train on")
+            if self.is_cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            steps_done += steps
+            rec = {"epoch": epoch, "loss": float(total) / n, "samples": n, "steps": steps,
+                   "samples_per_s": n / elapsed if elapsed > 0 else math.inf, "skipped_steps": self.skipped_steps}
+            if val_data is not None:
+                vx, vy = zip(*[(x, y) for x, y in val_data])
+                _, losses = self.evaluate(list(vx), list(vy))
+                rec["val_loss"] = float(losses.mean())
+            history.append(rec)
+            if stop:
+                break
+        return history
+
+    def _fit_step(self, batch: List[Tuple[Any, Any]]) -> Tensor:
+        xs = [b[0] for b in batch]
+        ys = [b[1] for b in batch]
+        loss = self.step(xs, ys)
+        return loss * len(batch) if self.reduction == "mean" else loss
