@@ -17,7 +17,6 @@ namespace vlseq {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 constexpr int kInlineSegments = 48;
 
 // One tensor of the list. `ptr` is the tensor's data (0 for a missing tensor: zeros),
@@ -27,14 +26,16 @@ struct Segment {
   int64_t offset;
   int64_t numel;
   int64_t chunk_begin;
-  int32_t dtype;
-  int32_t vec_ok;
+  int64_t vec_ok;
 };
 
-// dst[0:n] = convert(src[0:n] * scale). VEC elements per vector access.
+// dst[0:n] = cvt(src[0:n] * scale). VEC elements per vector access. Each thread keeps about 64
+// bytes of loads in flight: enough to cover memory latency at full occupancy, and a fixed
+// register budget whatever the dtype pair.
 template <int VEC, typename S, typename D, typename Op>
 __device__ __forceinline__ void copy_chunk(const S* __restrict__ src, D* __restrict__ dst, int64_t n, bool vec_ok,
                                            Op scale) {
+  constexpr int kUnroll = std::max(1, std::min(4, int(64 / (VEC * sizeof(S)))));
   int64_t done = 0;
   if (vec_ok) {
     const int64_t nv = n / VEC;
@@ -76,31 +77,31 @@ __device__ __forceinline__ void zero_chunk(D* __restrict__ dst, int64_t n, bool 
 }
 
 // kToFlat: flat[seg.offset + i] = seg[i] * scale (flatten_); otherwise the reverse (unflatten_).
-// The flat side's type F is a template parameter; each segment's type is a run-time tag.
-template <typename F, bool kToFlat, typename Table>
+// F is the flat buffer's type and T the tensors' type: one instantiation per pair keeps the
+// register budget of the common f32/f32 case small (a run-time dtype switch inside the kernel
+// made every instantiation pay for the widest pair and spill).
+template <typename F, typename T, bool kToFlat, typename Table>
 __global__ void __launch_bounds__(kThreads) flatten_kernel(const __grid_constant__ Table table, F* flat,
                                                             double scale) {
   constexpr int VEC = 16 / sizeof(F);
+  using Op = opmath_t<F, T>;
+  const Op s = static_cast<Op>(scale);
   for (int64_t chunk = blockIdx.x; chunk < table.total_chunks; chunk += gridDim.x) {
     const Segment& seg = table[find_segment(table, chunk)];
     const int64_t begin = (chunk - seg.chunk_begin) * table.chunk;
     const int64_t n = min(table.chunk, seg.numel - begin);
     F* f = flat + seg.offset + begin;
     const bool vec_ok = seg.vec_ok != 0;
-    if (kToFlat && seg.ptr == 0) {
-      zero_chunk<VEC>(f, n, vec_ok);
-      continue;
-    }
-    visit_dtype(seg.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      using Op = opmath_t<F, T>;
-      T* p = reinterpret_cast<T*>(seg.ptr) + begin;
-      if constexpr (kToFlat) {
-        copy_chunk<VEC, T, F, Op>(p, f, n, vec_ok, static_cast<Op>(scale));
+    T* p = reinterpret_cast<T*>(seg.ptr) + begin;
+    if constexpr (kToFlat) {
+      if (seg.ptr == 0) {
+        zero_chunk<VEC>(f, n, vec_ok);
       } else {
-        copy_chunk<VEC, F, T, Op>(f, p, n, vec_ok, static_cast<Op>(scale));
+        copy_chunk<VEC, T, F, Op>(p, f, n, vec_ok, s);
       }
-    });
+    } else {
+      copy_chunk<VEC, F, T, Op>(f, p, n, vec_ok, s);
+    }
   }
 }
 
@@ -114,24 +115,44 @@ bool segment_vec_ok(const Segment& s, const at::Tensor& flat, at::ScalarType ten
   return flat_ok && is_aligned(reinterpret_cast<const void*>(s.ptr), bytes);
 }
 
+// Segments grouped by tensor dtype: one launch per group, so a list of one dtype (a model's
+// gradients) is one launch however many tensors it has.
+using Groups = std::vector<std::pair<at::ScalarType, std::vector<Segment>>>;
+
+void add_to_group(Groups& groups, at::ScalarType t, const Segment& s) {
+  for (auto& g : groups) {
+    if (g.first == t) {
+      g.second.push_back(s);
+      return;
+    }
+  }
+  groups.push_back({t, {s}});
+}
+
 template <bool kToFlat>
-void launch_flatten(std::vector<Segment>& segs, const at::Tensor& flat, double scale) {
+void launch_flatten(Groups& groups, const at::Tensor& flat, double scale) {
   const int device = flat.get_device();
   constexpr int kBlocksPerSm = 2048 / kThreads;
-  int64_t total = 0;
-  for (const auto& s : segs) total += s.numel;
-  const int64_t chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm, 2048, 16384);
-  const int64_t chunks = assign_chunks(segs, chunk);
-  if (chunks == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  const int grid = grid_for(device, chunks, kBlocksPerSm);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "vlseq_flatten", [&] {
-    using F = scalar_t;
-    with_table<kInlineSegments>(segs, chunk, chunks, device, [&](const auto& table) {
-      flatten_kernel<F, kToFlat><<<grid, kThreads, 0, stream>>>(table, flat.data_ptr<F>(), scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (auto& [tensor_type, segs] : groups) {
+    int64_t total = 0;
+    for (const auto& s : segs) total += s.numel;
+    const int64_t chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm, 2048, 16384);
+    const int64_t chunks = assign_chunks(segs, chunk);
+    if (chunks == 0) continue;
+    const int grid = grid_for(device, chunks, kBlocksPerSm);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "vlseq_flatten", [&] {
+      using F = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, tensor_type, "vlseq_flatten_t", [&] {
+        using T = scalar_t;
+        with_table<kInlineSegments>(segs, chunk, chunks, device, [&](const auto& table) {
+          using Table = std::decay_t<decltype(table)>;
+          flatten_kernel<F, T, kToFlat, Table><<<grid, kThreads, 0, stream>>>(table, flat.data_ptr<F>(), scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      });
     });
-  });
+  }
 }
 
 void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, at::Tensor out,
@@ -139,35 +160,33 @@ void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntAr
   check_flatten(tensors, numels, out);
   c10::cuda::CUDAGuard guard(out.device());
   std::vector<at::Tensor> keep;  // contiguous copies of strided inputs, alive until launched
-  std::vector<Segment> segs;
-  segs.reserve(tensors.size());
+  Groups groups;
   int64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::optional<at::Tensor> t = tensors.get(i);
     Segment s{};
     s.offset = offset;
     s.numel = numels[i];
-    s.dtype = kF32;
+    at::ScalarType type = out.scalar_type();  // a missing tensor (zeros) joins any group
     if (t.has_value() && t->defined() && numels[i] > 0) {
       // Gradients are contiguous in practice; a strided input costs one extra copy here rather
       // than stride tables in the hot kernel.
       keep.push_back(t->contiguous());
       s.ptr = reinterpret_cast<int64_t>(keep.back().const_data_ptr());
-      s.dtype = dtype_code(t->scalar_type());
+      type = t->scalar_type();
     }
-    s.vec_ok = segment_vec_ok(s, out, t.has_value() && t->defined() ? t->scalar_type() : out.scalar_type());
-    segs.push_back(s);
+    s.vec_ok = segment_vec_ok(s, out, type);
+    add_to_group(groups, type, s);
     offset += numels[i];
   }
-  launch_flatten<true>(segs, out, scale);
+  launch_flatten<true>(groups, out, scale);
 }
 
 void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
   check_unflatten(flat, tensors);
   c10::cuda::CUDAGuard guard(flat.device());
   std::vector<std::pair<at::Tensor, at::Tensor>> strided;  // (destination, contiguous temporary)
-  std::vector<Segment> segs;
-  segs.reserve(tensors.size());
+  Groups groups;
   int64_t offset = 0;
   for (const at::Tensor& t : tensors) {
     at::Tensor dst = t;
@@ -179,12 +198,11 @@ void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale
     s.ptr = reinterpret_cast<int64_t>(dst.data_ptr());
     s.offset = offset;
     s.numel = t.numel();
-    s.dtype = dtype_code(t.scalar_type());
     s.vec_ok = segment_vec_ok(s, flat, t.scalar_type());
-    segs.push_back(s);
+    add_to_group(groups, t.scalar_type(), s);
     offset += t.numel();
   }
-  launch_flatten<false>(segs, flat, scale);
+  launch_flatten<false>(groups, flat, scale);
   for (auto& [t, tmp] : strided) t.copy_(tmp);
 }
 

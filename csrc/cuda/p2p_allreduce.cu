@@ -66,7 +66,6 @@ struct ReduceSegment {
   int64_t dst[kMaxRanks];
   int64_t numel;
   int64_t chunk_begin;
-  int32_t dtype;
   int32_t vec_ok;
 };
 
@@ -79,106 +78,150 @@ struct Epilogue {
   __device__ __forceinline__ T operator()(Acc a) const { return cvt<T>(divide ? a / count : a * scale); }
 };
 
-template <typename T>
+// Sums `nsrc` (<= kMaxSrc) sources in order into every destination, for elements
+// [begin, begin + n) of a segment. The vector path issues the loads of kU vectors from every
+// source before the first add and store: stores may alias the sources (in-place), so the
+// compiler could not hoist later loads above them by itself.
+template <typename T, int kMaxSrc>
 __device__ __forceinline__ void reduce_chunk(const ReduceSegment& seg, int64_t begin, int64_t n, int nsrc, int ndst,
                                              const Epilogue<T>& epi) {
   using Acc = typename Epilogue<T>::Acc;
   constexpr int VEC = 16 / sizeof(T);
+  constexpr int kU = kMaxSrc >= 4 ? 1 : 4 / kMaxSrc;  // about 4 vectors in flight per thread
   using V = Vec<T, VEC>;
+  const T* src[kMaxSrc];
+#pragma unroll
+  for (int j = 0; j < kMaxSrc; ++j) src[j] = reinterpret_cast<const T*>(seg.src[j < nsrc ? j : 0]) + begin;
   int64_t done = 0;
   if (seg.vec_ok) {
     const int64_t nv = n / VEC;
-    for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
-      // Issue every rank's load before the first add so the peer reads overlap.
-      V x[kMaxRanks];
+    for (int64_t base = threadIdx.x; base < nv; base += int64_t{kThreads} * kU) {
+      V x[kU][kMaxSrc];
 #pragma unroll
-      for (int j = 0; j < kMaxRanks; ++j)
-        if (j < nsrc) x[j] = reinterpret_cast<const V*>(reinterpret_cast<const T*>(seg.src[j]) + begin)[v];
-      Acc acc[VEC];
+      for (int u = 0; u < kU; ++u) {
+        const int64_t v = base + u * kThreads;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] = cvt<Acc>(x[0].v[k]);
+        for (int j = 0; j < kMaxSrc; ++j)
+          if (v < nv && j < nsrc) x[u][j] = reinterpret_cast<const V*>(src[j])[v];
+      }
 #pragma unroll
-      for (int j = 1; j < kMaxRanks; ++j)
-        if (j < nsrc) {
+      for (int u = 0; u < kU; ++u) {
+        const int64_t v = base + u * kThreads;
+        if (v >= nv) break;
+        Acc acc[VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[k] += cvt<Acc>(x[j].v[k]);
-        }
-      V out;
+        for (int k = 0; k < VEC; ++k) acc[k] = cvt<Acc>(x[u][0].v[k]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out.v[k] = epi(acc[k]);
+        for (int j = 1; j < kMaxSrc; ++j)
+          if (j < nsrc) {
 #pragma unroll
-      for (int j = 0; j < kMaxRanks; ++j)
-        if (j < ndst) reinterpret_cast<V*>(reinterpret_cast<T*>(seg.dst[j]) + begin)[v] = out;
+            for (int k = 0; k < VEC; ++k) acc[k] += cvt<Acc>(x[u][j].v[k]);
+          }
+        V out;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out.v[k] = epi(acc[k]);
+        for (int j = 0; j < ndst; ++j) reinterpret_cast<V*>(reinterpret_cast<T*>(seg.dst[j]) + begin)[v] = out;
+      }
     }
     done = nv * VEC;
   }
   for (int64_t k = done + threadIdx.x; k < n; k += kThreads) {
-    Acc acc = cvt<Acc>(reinterpret_cast<const T*>(seg.src[0])[begin + k]);
+    Acc acc = cvt<Acc>(src[0][k]);
     for (int j = 1; j < nsrc; ++j) acc += cvt<Acc>(reinterpret_cast<const T*>(seg.src[j])[begin + k]);
     const T r = epi(acc);
     for (int j = 0; j < ndst; ++j) reinterpret_cast<T*>(seg.dst[j])[begin + k] = r;
   }
 }
 
-// Processes chunks [chunk_lo, chunk_hi) of the table.
-template <typename Table>
+// Processes chunks [chunk_lo, chunk_hi) of the table; every segment has element type T.
+template <typename T, int kMaxSrc, typename Table>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(const __grid_constant__ Table table, int nsrc, int ndst, int64_t chunk_lo, int64_t chunk_hi,
                   double scale, bool divide) {
+  using Acc = typename Epilogue<T>::Acc;
+  const Epilogue<T> epi{static_cast<Acc>(scale), static_cast<Acc>(nsrc), divide};
   for (int64_t chunk = chunk_lo + blockIdx.x; chunk < chunk_hi; chunk += gridDim.x) {
     const ReduceSegment& seg = table[find_segment(table, chunk)];
     const int64_t begin = (chunk - seg.chunk_begin) * table.chunk;
-    const int64_t n = min(table.chunk, seg.numel - begin);
-    visit_dtype(seg.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      using Acc = typename Epilogue<T>::Acc;
-      const Epilogue<T> epi{static_cast<Acc>(scale), static_cast<Acc>(nsrc), divide};
-      reduce_chunk<T>(seg, begin, n, nsrc, ndst, epi);
-    });
+    reduce_chunk<T, kMaxSrc>(seg, begin, min(table.chunk, seg.numel - begin), nsrc, ndst, epi);
   }
 }
 
-// A reduce/copy job: the same segment table launched on one device for a range of its chunks.
+// A reduce/copy job: one segment table, launched on one or several devices, each taking a
+// range of its chunks. Built once per call (chunking and alignment) and shared by all launches.
 struct Job {
+  at::ScalarType dtype = at::kFloat;  // of every segment
   std::vector<ReduceSegment> segs;
   int nsrc = 0;
   int ndst = 0;
+  int64_t chunk = 0;
+  int64_t chunks = 0;
 };
 
-void set_vec_ok(ReduceSegment& s, int nsrc, int ndst) {
-  bool ok = true;
-  for (int j = 0; j < nsrc; ++j) ok = ok && is_aligned(reinterpret_cast<const void*>(s.src[j]), 16);
-  for (int j = 0; j < ndst; ++j) ok = ok && is_aligned(reinterpret_cast<const void*>(s.dst[j]), 16);
-  s.vec_ok = ok;
-}
-
-int64_t job_chunk(const Job& job, int device, int nranks) {
+// Computes alignment flags and the chunking; `ranks` devices will share the chunks.
+void plan(Job& job, int device, int ranks) {
   int64_t total = 0;
-  for (const auto& s : job.segs) total += s.numel;
-  return pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm * nranks, 1024, 16384);
+  for (auto& s : job.segs) {
+    bool ok = true;
+    for (int j = 0; j < job.nsrc; ++j) ok = ok && is_aligned(reinterpret_cast<const void*>(s.src[j]), 16);
+    for (int j = 0; j < job.ndst; ++j) ok = ok && is_aligned(reinterpret_cast<const void*>(s.dst[j]), 16);
+    s.vec_ok = ok;
+    total += s.numel;
+  }
+  job.chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm * ranks, 1024, 16384);
+  job.chunks = assign_chunks(job.segs, job.chunk);
 }
 
-// Launches `job` on `device`'s current stream for chunks [lo, hi) of the whole table (a fraction
-// given as rank/nranks of the total when split is true).
-void launch_job(Job job, int device, int64_t chunk, int rank, int nranks, double scale, bool divide) {
-  for (auto& s : job.segs) set_vec_ok(s, job.nsrc, job.ndst);
-  const int64_t chunks = assign_chunks(job.segs, chunk);
-  const int64_t lo = chunks * rank / nranks;
-  const int64_t hi = chunks * (rank + 1) / nranks;
+// Launches chunks [rank/nranks, (rank+1)/nranks) of `job` on `device`'s current stream.
+void launch(const Job& job, int device, int rank, int nranks, double scale, bool divide,
+            c10::cuda::OptionalCUDAGuard& guard) {
+  const int64_t lo = job.chunks * rank / nranks;
+  const int64_t hi = job.chunks * (rank + 1) / nranks;
   if (hi <= lo) return;
-  c10::cuda::CUDAGuard g(device);
+  guard.set_index(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const int grid = grid_for(device, hi - lo, kBlocksPerSm);
-  with_table<kInlineSegments>(job.segs, chunk, chunks, device, [&](const auto& table) {
-    reduce_kernel<<<grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, lo, hi, scale, divide);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, job.dtype, "vlseq_reduce", [&] {
+    with_table<kInlineSegments>(job.segs, job.chunk, job.chunks, device, [&](const auto& table) {
+      using Table = std::decay_t<decltype(table)>;
+      const auto go = [&](auto kernel) {
+        kernel<<<grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, lo, hi, scale, divide);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (job.nsrc <= 1) go(reduce_kernel<scalar_t, 1, Table>);
+      else if (job.nsrc <= 2) go(reduce_kernel<scalar_t, 2, Table>);
+      else if (job.nsrc <= 4) go(reduce_kernel<scalar_t, 4, Table>);
+      else go(reduce_kernel<scalar_t, kMaxRanks, Table>);
+    });
   });
 }
 
-ReduceSegment segment(const at::Tensor& like, int64_t numel) {
+// Appends a segment to the job of its element type (one launch per type; a model's gradients
+// usually share one type, so usually one job).
+void add_segment(std::vector<Job>& jobs, at::ScalarType dtype, const ReduceSegment& s, int nsrc, int ndst) {
+  for (Job& job : jobs) {
+    if (job.dtype == dtype) {
+      job.segs.push_back(s);
+      return;
+    }
+  }
+  Job job;
+  job.dtype = dtype;
+  job.nsrc = nsrc;
+  job.ndst = ndst;
+  job.segs.push_back(s);
+  jobs.push_back(std::move(job));
+}
+
+// Plans and launches a job that one device runs whole.
+void run_local(Job& job, int device, double scale, bool divide, c10::cuda::OptionalCUDAGuard& guard) {
+  plan(job, device, 1);
+  launch(job, device, 0, 1, scale, divide, guard);
+}
+
+ReduceSegment segment(int64_t numel) {
   ReduceSegment s{};
   s.numel = numel;
-  s.dtype = dtype_code(like.scalar_type());
   return s;
 }
 
@@ -193,7 +236,11 @@ std::vector<int> devices_of(at::TensorList bufs) {
 // Largest buffer (bytes) for which `auto` picks one_shot, per rank count. Measured on 2xH200
 // (BENCHMARKS.md, "one-shot / two-shot crossover"); VLSEQ_ONE_SHOT_MAX_BYTES overrides.
 int64_t one_shot_max_bytes(int nranks) {
-  if (const char* env = std::getenv("VLSEQ_ONE_SHOT_MAX_BYTES")) return std::atoll(env);
+  static const int64_t from_env = [] {
+    const char* env = std::getenv("VLSEQ_ONE_SHOT_MAX_BYTES");
+    return env != nullptr ? std::atoll(env) : int64_t{-1};
+  }();
+  if (from_env >= 0) return from_env;
   return nranks <= 2 ? (64 << 10) : (256 << 10);
 }
 
@@ -213,6 +260,7 @@ Algo resolve_algo(Algo algo, const std::vector<int>& devs, int64_t bytes) {
 // The flat all-reduce behind all_reduce_ and the copy-engine path of all_reduce_tensors_.
 // Caller holds peer::op_mutex(). result = divide ? sum / N : sum * scale.
 void flat_all_reduce(const std::vector<at::Tensor>& bufs, Algo algo, bool divide, double scale) {
+  c10::cuda::OptionalCUDAGuard guard;
   const int N = static_cast<int>(bufs.size());
   const std::vector<int> devs = devices_of(bufs);
   const int64_t n = bufs[0].numel();
@@ -221,47 +269,50 @@ void flat_all_reduce(const std::vector<at::Tensor>& bufs, Algo algo, bool divide
   if (N == 1) {
     if (!divide && scale == 1.0) return;
     Job job;
+    job.dtype = bufs[0].scalar_type();
     job.nsrc = job.ndst = 1;
-    job.segs.push_back(segment(bufs[0], n));
+    job.segs.push_back(segment(n));
     job.segs[0].src[0] = job.segs[0].dst[0] = addr(bufs[0]);
-    launch_job(job, devs[0], job_chunk(job, devs[0], 1), 0, 1, scale, divide);
+    run_local(job, devs[0], scale, divide, guard);
     return;
   }
   algo = resolve_algo(algo, devs, bytes);
 
-  ReduceSegment all = segment(bufs[0], n);
+  ReduceSegment all = segment(n);
   for (int r = 0; r < N; ++r) all.src[r] = addr(bufs[r]);
 
   switch (algo) {
     case Algo::kTwoShot: {
       Job job;
+      job.dtype = bufs[0].scalar_type();
       job.nsrc = job.ndst = N;
       ReduceSegment s = all;
       for (int r = 0; r < N; ++r) s.dst[r] = addr(bufs[r]);
       job.segs.push_back(s);
-      const int64_t chunk = job_chunk(job, devs[0], N);
-      peer::barrier(devs);
-      for (int r = 0; r < N; ++r) launch_job(job, devs[r], chunk, r, N, scale, divide);
-      peer::barrier(devs);
+      plan(job, devs[0], N);
+      peer::barrier(devs, guard);
+      for (int r = 0; r < N; ++r) launch(job, devs[r], r, N, scale, divide, guard);
+      peer::barrier(devs, guard);
       return;
     }
     case Algo::kOneShot: {
       std::vector<at::Tensor> scratch(N);
-      peer::barrier(devs);
+      peer::barrier(devs, guard);
       for (int r = 0; r < N; ++r) {
-        c10::cuda::CUDAGuard g(devs[r]);
+        guard.set_index(static_cast<c10::DeviceIndex>(devs[r]));
         scratch[r] = at::empty_like(bufs[r]);
         Job job;
+        job.dtype = bufs[0].scalar_type();
         job.nsrc = N;
         job.ndst = 1;
         ReduceSegment s = all;
         s.dst[0] = addr(scratch[r]);
         job.segs.push_back(s);
-        launch_job(job, devs[r], job_chunk(job, devs[r], 1), 0, 1, scale, divide);
+        run_local(job, devs[r], scale, divide, guard);
       }
-      peer::barrier(devs);
+      peer::barrier(devs, guard);
       for (int r = 0; r < N; ++r) {
-        c10::cuda::CUDAGuard g(devs[r]);
+        guard.set_index(static_cast<c10::DeviceIndex>(devs[r]));
         C10_CUDA_CHECK(cudaMemcpyAsync(bufs[r].data_ptr(), scratch[r].data_ptr(), bytes, cudaMemcpyDeviceToDevice,
                                        c10::cuda::getCurrentCUDAStream(devs[r])));
       }
@@ -269,9 +320,9 @@ void flat_all_reduce(const std::vector<at::Tensor>& bufs, Algo algo, bool divide
     }
     default: {  // copy engine
       std::vector<at::Tensor> staging(N);
-      peer::barrier(devs);
+      peer::barrier(devs, guard);
       for (int r = 0; r < N; ++r) {
-        c10::cuda::CUDAGuard g(devs[r]);
+        guard.set_index(static_cast<c10::DeviceIndex>(devs[r]));
         staging[r] = at::empty({N - 1, n}, bufs[r].options());
         int slot = 0;
         for (int j = 0; j < N; ++j) {
@@ -280,17 +331,18 @@ void flat_all_reduce(const std::vector<at::Tensor>& bufs, Algo algo, bool divide
                                              bytes, c10::cuda::getCurrentCUDAStream(devs[r])));
         }
       }
-      peer::barrier(devs);
+      peer::barrier(devs, guard);
       for (int r = 0; r < N; ++r) {
         Job job;
+        job.dtype = bufs[0].scalar_type();
         job.nsrc = N;
         job.ndst = 1;
-        ReduceSegment s = segment(bufs[r], n);
+        ReduceSegment s = segment(n);
         int slot = 0;
         for (int j = 0; j < N; ++j) s.src[j] = j == r ? addr(bufs[r]) : addr(staging[r][slot++]);
         s.dst[0] = addr(bufs[r]);
         job.segs.push_back(s);
-        launch_job(job, devs[r], job_chunk(job, devs[r], 1), 0, 1, scale, divide);
+        run_local(job, devs[r], scale, divide, guard);
       }
       return;
     }
@@ -353,19 +405,20 @@ void all_reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double
     return;
   }
   if (N == 1 && scale == 1.0) return;
-  Job job;
-  job.nsrc = job.ndst = N;
+  c10::cuda::OptionalCUDAGuard guard;
+  std::vector<Job> jobs;
   for (int64_t p = 0; p < P; ++p) {
     if (tensors[p].numel() == 0) continue;
-    ReduceSegment s = segment(tensors[p], tensors[p].numel());
+    ReduceSegment s = segment(tensors[p].numel());
     for (int d = 0; d < N; ++d) s.src[d] = s.dst[d] = addr(tensors[d * P + p]);
-    job.segs.push_back(s);
+    add_segment(jobs, tensors[p].scalar_type(), s, N, N);
   }
-  if (job.segs.empty()) return;
-  const int64_t chunk = job_chunk(job, devs[0], N);
-  if (N > 1) peer::barrier(devs);
-  for (int r = 0; r < N; ++r) launch_job(job, devs[r], chunk, r, N, scale, false);
-  if (N > 1) peer::barrier(devs);
+  if (jobs.empty()) return;
+  for (Job& job : jobs) plan(job, devs[0], N);
+  if (N > 1) peer::barrier(devs, guard);
+  for (int r = 0; r < N; ++r)
+    for (const Job& job : jobs) launch(job, devs[r], r, N, scale, false, guard);
+  if (N > 1) peer::barrier(devs, guard);
 }
 
 // Copies srcs (on the root device) into each destination list. Protocol: see the file comment.
@@ -374,6 +427,7 @@ void broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts) {
   const int64_t lists = static_cast<int64_t>(dsts.size()) / P;
   const int root = srcs[0].get_device();
   std::lock_guard<std::mutex> lock(peer::op_mutex());
+  c10::cuda::OptionalCUDAGuard guard;
   std::vector<int> touched;
   for (int64_t d = 0; d < lists; ++d) {
     const int dev = dsts[d * P].get_device();
@@ -382,20 +436,18 @@ void broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts) {
     if (!direct) {
       TORCH_WARN_ONCE("vlseq_ext: ", op, ": peer access unavailable (", why, "); using copy-engine transfers");
     }
-    peer::wait_for(dev, root);
-    c10::cuda::CUDAGuard g(dev);
+    peer::wait_for(dev, root, guard);  // leaves `dev` current
     if (direct) {
-      Job job;
-      job.nsrc = job.ndst = 1;
+      std::vector<Job> jobs;
       for (int64_t p = 0; p < P; ++p) {
         const at::Tensor& dst = dsts[d * P + p];
         if (dst.numel() == 0 || dst.data_ptr() == srcs[p].data_ptr()) continue;
-        ReduceSegment s = segment(dst, dst.numel());
+        ReduceSegment s = segment(dst.numel());
         s.src[0] = addr(srcs[p]);
         s.dst[0] = addr(dst);
-        job.segs.push_back(s);
+        add_segment(jobs, dst.scalar_type(), s, 1, 1);
       }
-      if (!job.segs.empty()) launch_job(job, dev, job_chunk(job, dev, 1), 0, 1, 1.0, false);
+      for (Job& job : jobs) run_local(job, dev, 1.0, false, guard);
     } else {
       for (int64_t p = 0; p < P; ++p) {
         const at::Tensor& dst = dsts[d * P + p];
@@ -406,7 +458,7 @@ void broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts) {
     }
     touched.push_back(dev);
   }
-  for (int dev : touched) peer::wait_for(root, dev);
+  for (int dev : touched) peer::wait_for(root, dev, guard);
 }
 
 void broadcast_cuda(const at::Tensor& src, at::TensorList dsts) {

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <utility>
@@ -20,14 +21,20 @@ struct PairState {
   std::string why;
 };
 
+constexpr int kMaxDevices = 64;
+
 std::mutex& cache_mutex() {
   static std::mutex m;
   return m;
 }
 
-std::map<std::pair<int, int>, PairState>& cache() {
-  static std::map<std::pair<int, int>, PairState> c;
-  return c;
+// 0 = not probed yet, 1 = usable, -1 = not usable (reason in failures()). Read without the lock
+// on the hot path; written once per pair under it.
+std::atomic<int8_t> pair_state[kMaxDevices][kMaxDevices];
+
+std::map<std::pair<int, int>, std::string>& failures() {
+  static std::map<std::pair<int, int>, std::string> f;
+  return f;
 }
 
 PairState probe(int dev, int peer) {
@@ -77,11 +84,23 @@ cudaEvent_t device_event(int dev) {
 
 bool can_access(int dev, int peer, std::string* why) {
   if (dev == peer) return true;
-  std::lock_guard<std::mutex> lock(cache_mutex());
-  auto it = cache().find({dev, peer});
-  if (it == cache().end()) it = cache().emplace(std::make_pair(dev, peer), probe(dev, peer)).first;
-  if (!it->second.ok && why != nullptr) *why = it->second.why;
-  return it->second.ok;
+  TORCH_CHECK(dev < kMaxDevices && peer < kMaxDevices, "vlseq_ext: device index out of range");
+  int8_t state = pair_state[dev][peer].load(std::memory_order_acquire);
+  if (state == 0) {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    state = pair_state[dev][peer].load(std::memory_order_acquire);
+    if (state == 0) {
+      const PairState r = probe(dev, peer);
+      if (!r.ok) failures()[{dev, peer}] = r.why;
+      state = r.ok ? 1 : -1;
+      pair_state[dev][peer].store(state, std::memory_order_release);
+    }
+  }
+  if (state < 0 && why != nullptr) {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    *why = failures()[{dev, peer}];
+  }
+  return state > 0;
 }
 
 bool all_can_access(const std::vector<int>& devs, std::string* why) {
@@ -96,26 +115,27 @@ std::mutex& op_mutex() {
   return m;
 }
 
-void barrier(const std::vector<int>& devs) {
+// Records must be issued with the stream's device current (cudaErrorInvalidResourceHandle
+// otherwise). Devices are visited 0..N-1 for the records and N-1..0 for the waits, so the switch
+// between the two phases is free; `guard` restores the caller's device once, at the op's end.
+void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
   for (int d : devs) {
-    c10::cuda::CUDAGuard g(d);
+    guard.set_index(static_cast<c10::DeviceIndex>(d));
     C10_CUDA_CHECK(cudaEventRecord(device_event(d), c10::cuda::getCurrentCUDAStream(d)));
   }
-  for (int d : devs) {
-    c10::cuda::CUDAGuard g(d);
-    const cudaStream_t s = c10::cuda::getCurrentCUDAStream(d);
+  for (auto it = devs.rbegin(); it != devs.rend(); ++it) {
+    guard.set_index(static_cast<c10::DeviceIndex>(*it));
+    const cudaStream_t s = c10::cuda::getCurrentCUDAStream(*it);
     for (int e : devs)
-      if (e != d) C10_CUDA_CHECK(cudaStreamWaitEvent(s, device_event(e), 0));
+      if (e != *it) C10_CUDA_CHECK(cudaStreamWaitEvent(s, device_event(e), 0));
   }
 }
 
-void wait_for(int waiter, int producer) {
+void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard) {
   if (waiter == producer) return;
-  {
-    c10::cuda::CUDAGuard g(producer);
-    C10_CUDA_CHECK(cudaEventRecord(device_event(producer), c10::cuda::getCurrentCUDAStream(producer)));
-  }
-  c10::cuda::CUDAGuard g(waiter);
+  guard.set_index(static_cast<c10::DeviceIndex>(producer));
+  C10_CUDA_CHECK(cudaEventRecord(device_event(producer), c10::cuda::getCurrentCUDAStream(producer)));
+  guard.set_index(static_cast<c10::DeviceIndex>(waiter));
   C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(waiter), device_event(producer), 0));
 }
 

@@ -1,6 +1,7 @@
 // Peer access and cross-device ordering for the single-process multi-GPU ops.
 #pragma once
 
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
 #include <mutex>
@@ -23,9 +24,10 @@ std::mutex& op_mutex();
 
 // Every device's current stream waits until every other device's current stream has reached this
 // point. Host-side only: records one event per device, then queues the waits; never blocks the CPU.
-void barrier(const std::vector<int>& devs);
+// Switches devices through `guard` (the op's one guard, which restores the caller's device).
+void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard);
 
 // `waiter`'s current stream waits for work queued so far on `producer`'s current stream.
-void wait_for(int waiter, int producer);
+void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard);
 
 }  // namespace vlseq::peer

@@ -12,20 +12,8 @@
 
 namespace vlseq {
 
-// Per-tensor type tag carried in kernel tables (mixed dtypes in one launch).
-enum DTypeCode : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
-
 inline bool is_supported(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
-}
-
-inline DTypeCode dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: return kF64;
-  }
 }
 
 template <typename A, typename B>

@@ -91,18 +91,6 @@ int64_t assign_chunks(std::vector<Seg>& segs, int64_t chunk) {
   return c;
 }
 
-// Calls f(T{}) with T the C++ type of a DTypeCode. The tag is uniform across a block, so the
-// switch does not diverge.
-template <typename F>
-__device__ __forceinline__ void visit_dtype(int32_t code, F&& f) {
-  switch (code) {
-    case kF32: f(float{}); break;
-    case kF16: f(c10::Half{}); break;
-    case kBF16: f(c10::BFloat16{}); break;
-    default: f(double{}); break;
-  }
-}
-
 // Multiprocessor count, read once per device. (ATen/cuda/CUDAContext.h would do this too, but it
 // drags in cuBLAS/cuSPARSE headers that a compile-only toolkit may not have.)
 inline int sm_count(int device) {
