@@ -20,16 +20,20 @@ TORCH_LIBRARY(vlseq_ext, m) {
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
   // One flat buffer per device (distinct devices, same numel/dtype). Afterwards every buffer
   // holds the sum (or mean) over buffers 0..N-1 in that fixed order, bit-identical everywhere.
-  // algo: auto | one_shot | two_shot | copy_engine.
+  // algo: auto | root | one_shot | two_shot | copy_engine (see csrc/cuda/p2p_allreduce.cu).
   m.def("all_reduce_(Tensor(a!)[] buffers, str op, str algo=\"auto\") -> ()");
   // dsts[i] = src for every destination (on other devices), over the peer path.
   m.def("broadcast_(Tensor src, Tensor(a!)[] dsts) -> ()");
   // Fused flatten + all-reduce + unflatten of per-device tensor lists. `tensors` is
   // device-major: num_devices lists of P tensors each. Afterwards tensors[d*P + p] =
   // scale * sum_{e=0..N-1} tensors[e*P + p] for every d, bit-identical on every device.
-  m.def("all_reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale) -> ()");
+  // algo: auto | root | two_shot | copy_engine.
+  m.def("all_reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale, str algo=\"auto\") -> ()");
+  // Same layout; the result goes to device list 0 only (one kernel on that device), and with
+  // zero_others every other list is zeroed. The trainer's merge before the master's step.
+  m.def("reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale, bool zero_others) -> ()");
   // Multi-tensor broadcast: dsts is device-major, len(dsts) = k * len(srcs);
-  // dsts[d*P + p] = srcs[p]. One launch per destination device.
+  // dsts[d*P + p] = srcs[p]. One kernel on the source device stores into every destination.
   m.def("broadcast_tensors_(Tensor[] srcs, Tensor(a!)[] dsts) -> ()");
   // Which transfer path all_reduce_ would take for these buffers: "p2p", "copy_engine: <why>",
   // "single" (one buffer) or "cpu".

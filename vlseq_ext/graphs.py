@@ -34,12 +34,13 @@ class GraphCache:
 
     def __init__(self, replica: nn.Module, device: torch.device, loss_of: Callable[[Tensor, Tensor], Tensor],
                  autocast: Callable[[], contextlib.AbstractContextManager], loss_acc: Tensor,
-                 max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
+                 dtype: torch.dtype = torch.float32, max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
         self.replica = replica
         self.device = device
         self.loss_of = loss_of  # (output (1, O), target) -> 0-dim loss
         self.autocast = autocast
         self.loss_acc = loss_acc
+        self.dtype = dtype  # of the static input buffer: the replica's parameter dtype
         self.max_graphs = max_graphs
         self.max_bytes = max_bytes if max_bytes is not None else int(
             0.1 * torch.cuda.get_device_properties(device).total_memory)
@@ -58,15 +59,18 @@ class GraphCache:
         """Make x_buf/y_buf fit this sample; returns False when the sample cannot use graphs
         (a target shape or dtype other than the captured one)."""
         L, D = x.shape
+        if not x.is_floating_point():
+            return False
         if self.y_buf is None:
             self.y_buf = torch.empty(y.shape, dtype=y.dtype, device=self.device)
         elif self.y_buf.shape != y.shape or self.y_buf.dtype != y.dtype:
             return False
-        if self.x_buf is None or self.x_buf.shape[0] < L or self.x_buf.shape[1] != D or self.x_buf.dtype != x.dtype:
+        if self.x_buf is None or self.x_buf.shape[0] < L or self.x_buf.shape[1] != D:
             cap = max(L, 2 * self.x_buf.shape[0] if self.x_buf is not None else 512)
             self.graphs.clear()  # captured addresses point at the old buffer
             self.pool = None
-            self.x_buf = torch.zeros(cap, D, dtype=x.dtype, device=self.device)
+            self.graph_bytes = 0
+            self.x_buf = torch.zeros(cap, D, dtype=self.dtype, device=self.device)
         return True
 
     # -- one sample -----------------------------------------------------------------------
@@ -78,20 +82,23 @@ class GraphCache:
         self.loss_acc.add_(loss.detach())
 
     def run(self, x: Tensor, y: Tensor) -> None:
-        """x: (L, D) on `device`; y: the sample's target on `device`. Queued on the current stream."""
+        """x: (L, D) on any device (pinned CPU memory keeps the copy asynchronous); y: the sample's
+        target shaped like a one-sample batch. Queued on the current stream: one copy for x, one
+        for y, and a graph replay (or the eager pass plus a capture, the first time a length is seen)."""
         L = x.shape[0]
         if not self._ensure_buffers(x, y):
             self.eager_runs += 1
-            self._forward_backward(x, y)
+            self._forward_backward(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             return
+        xs = self.x_buf[:L]
+        xs.copy_(x, non_blocking=True)
+        self.y_buf.copy_(y, non_blocking=True)
         graph = self.graphs.get(L)
         if graph is not None:
-            self.x_buf[:L].copy_(x, non_blocking=True)
-            self.y_buf.copy_(y, non_blocking=True)
             graph.replay()
             self.replays += 1
             return
-        self._eager_then_capture(x, y)
+        self._eager_then_capture(xs, self.y_buf)
 
     def _eager_then_capture(self, x: Tensor, y: Tensor) -> None:
         L = x.shape[0]

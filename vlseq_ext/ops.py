@@ -20,6 +20,7 @@ __all__ = [
     "all_reduce_",
     "broadcast_",
     "all_reduce_tensors_",
+    "reduce_tensors_",
     "broadcast_tensors_",
     "p2p_status",
 ]
@@ -94,8 +95,9 @@ def all_reduce_(buffers: Sequence[Tensor], op: str = "sum", algo: str = "auto") 
     Buffers: one per CUDA device (or distinct CPU tensors), same numel and dtype
     (float32/float16/bfloat16/float64), contiguous. The sum runs in device order 0..N-1 with
     fp32 accumulation (fp64 for float64), so every buffer ends with identical bits on every run.
-    `algo`: "auto" (measured size threshold), "one_shot", "two_shot" or "copy_engine" (no peer
-    access). Ordered against each device's current stream with events; no host sync.
+    `algo`: "auto" (measured size threshold), "root" (one kernel on the first device reads and
+    writes every buffer), "one_shot", "two_shot" or "copy_engine" (no peer access). Ordered
+    against each device's current stream with events; no host sync.
     """
     if _native():
         torch.ops.vlseq_ext.all_reduce_(list(buffers), op, algo)
@@ -112,26 +114,46 @@ def broadcast_(src: Tensor, dsts: Sequence[Tensor]) -> None:
         reference.broadcast_(src, list(dsts))
 
 
-def all_reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0) -> None:
+def _device_lists(op: str, tensor_lists: Sequence[Sequence[Tensor]]) -> list:
+    lists = [list(lst) for lst in tensor_lists]
+    if not lists:
+        raise ValueError(f"{op}: tensor_lists must be a non-empty list")
+    sizes = {len(lst) for lst in lists}
+    if len(sizes) != 1:
+        raise ValueError(f"{op}: every device needs the same number of tensors, got {sorted(sizes)}")
+    return lists
+
+
+def all_reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0, algo: str = "auto") -> None:
     """Fused flatten + all-reduce + unflatten: tensor_lists[d] is device d's list of tensors
     (same shapes and dtypes on every device). Afterwards every tensor_lists[d][p] equals
     scale * sum_e tensor_lists[e][p], summed in device order, bit-identical on all devices.
-    One kernel per device on CUDA; each device owns a slice of the elements and writes the
-    result into every device's tensors."""
-    lists = [list(lst) for lst in tensor_lists]
-    if not lists:
-        raise ValueError("all_reduce_tensors_: tensor_lists must be a non-empty list")
-    sizes = {len(lst) for lst in lists}
-    if len(sizes) != 1:
-        raise ValueError(f"all_reduce_tensors_: every device needs the same number of tensors, got {sorted(sizes)}")
+    `algo`: "auto", "root" (one kernel on device 0 reads every device's tensors and stores the
+    result into all of them: the fewest host operations, best for a model's gradients),
+    "two_shot" (each device reduces its share of the elements and stores it everywhere: best
+    for large lists) or "copy_engine"."""
+    lists = _device_lists("all_reduce_tensors_", tensor_lists)
     if _native():
-        torch.ops.vlseq_ext.all_reduce_tensors_([t for lst in lists for t in lst], len(lists), float(scale))
+        torch.ops.vlseq_ext.all_reduce_tensors_([t for lst in lists for t in lst], len(lists), float(scale), algo)
     else:
         reference.all_reduce_tensors_(lists, float(scale))
 
 
+def reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0, zero_others: bool = True) -> None:
+    """tensor_lists[0][p] <- scale * sum_d tensor_lists[d][p] (device order, one kernel on device
+    0's GPU reading its peers), and with `zero_others` every other list is zeroed in the same
+    kernel. The trainer's merge: the master gets the gradient, the replicas restart from zero."""
+    lists = _device_lists("reduce_tensors_", tensor_lists)
+    if _native():
+        torch.ops.vlseq_ext.reduce_tensors_([t for lst in lists for t in lst], len(lists), float(scale),
+                                            bool(zero_others))
+    else:
+        reference.reduce_tensors_(lists, float(scale), bool(zero_others))
+
+
 def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tensor]]) -> None:
-    """dst_lists[d][p] <- srcs[p] for every destination list (one launch per destination device)."""
+    """dst_lists[d][p] <- srcs[p] for every destination list: one kernel on the source device
+    stores into every destination over the peer path."""
     srcs = list(srcs)
     lists = [list(lst) for lst in dst_lists]
     for i, lst in enumerate(lists):
@@ -161,7 +183,8 @@ def _register_fakes() -> None:
     def _none(*args, **kwargs) -> None:
         return None
 
-    for name in ("flatten_", "unflatten_", "all_reduce_", "broadcast_", "all_reduce_tensors_", "broadcast_tensors_"):
+    for name in ("flatten_", "unflatten_", "all_reduce_", "broadcast_", "all_reduce_tensors_", "reduce_tensors_",
+                 "broadcast_tensors_"):
         torch.library.register_fake(f"vlseq_ext::{name}")(_none)
     torch.library.register_fake("vlseq_ext::p2p_status")(lambda buffers: "fake")
 

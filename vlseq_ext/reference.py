@@ -103,6 +103,18 @@ def all_reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float =
             t.copy_(result)
 
 
+def reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0, zero_others: bool = True) -> None:
+    """tensor_lists[0][p] <- scale * sum over devices; other lists zeroed when zero_others."""
+    for p in range(len(tensor_lists[0])):
+        group = [lst[p] for lst in tensor_lists]
+        if group[0].numel() == 0:
+            continue
+        group[0].copy_(_reduce(group, False, scale))
+        if zero_others:
+            for t in group[1:]:
+                t.zero_()
+
+
 def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tensor]]) -> None:
     for lst in dst_lists:
         for s, d in zip(srcs, lst):

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .comm import GradientMerger
 from .graphs import GraphCache
 from .losses import PerSampleLoss, stack_targets
 
@@ -187,20 +186,27 @@ class ParallelTrainer:
         self.replica_params = [list(r.parameters()) for r in self.replicas]
         self._static_grads = [[torch.zeros_like(p) for p in ps] for ps in self.replica_params]
         self._attach_grads()
-        self.merger = GradientMerger(self.replica_params)
         self.loss_acc = [torch.zeros((), dtype=torch.float32, device=d) for d in self.devices]
+        # The merge reduces every replica's grads and loss into the master's, in one kernel on the
+        # master's device, and zeroes the replicas' (the next step starts from zero there).
+        order = [self.master_index] + [i for i in range(len(self.devices)) if i != self.master_index]
+        self._merge_lists = [self._static_grads[i] + [self.loss_acc[i]] for i in order]
+        self._norm_buffer = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=master_dev)
+        self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=master_dev)
+        self._skipped_seen = 0
 
         self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
         self.graph_caches: List[Optional[GraphCache]] = [None] * len(self.devices)
         if self.cuda_graphs:
             for i, (r, dev) in enumerate(zip(self.replicas, self.devices)):
                 self.graph_caches[i] = GraphCache(r, dev, self._one_sample_loss, self._autocast, self.loss_acc[i],
-                                                  max_graphs=graph_cache_size, max_bytes=graph_memory_bytes)
+                                                  dtype=self.replica_params[i][0].dtype, max_graphs=graph_cache_size,
+                                                  max_bytes=graph_memory_bytes)
         self._accepts_list: Optional[bool] = None
         self._micro_step = 0
         self._window_samples = 0
         self.global_step = 0
-        self.skipped_steps = 0
+        self._skipped_host = 0
         self.last_grad_norm: Optional[Tensor] = None
         self.sync_replicas()
 
@@ -223,10 +229,11 @@ class ParallelTrainer:
                 if p.grad is not g:
                     p.grad = g
 
-    def _zero_grads(self) -> None:
+    def _zero(self, devices: Iterable[int]) -> None:
+        """Zero the static grads and loss accumulators of these replicas, in place."""
         self._attach_grads()
-        for gs in self._static_grads:
-            torch._foreach_zero_(gs)
+        for i in devices:
+            torch._foreach_zero_(self._static_grads[i] + [self.loss_acc[i]])
 
     @staticmethod
     def _as_tensor(x: Any, what: str) -> Tensor:
@@ -285,40 +292,34 @@ class ParallelTrainer:
 
     # ---------------------------------------------------------------------------------------
     # per-device work
-    def _to(self, t: Tensor, dev: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:
-        return t.to(dev, dtype=dtype, non_blocking=True)
+    @staticmethod
+    def _one_target(y: Tensor) -> Tensor:
+        """A sample's target as a one-sample batch: float targets (1, numel), class indices (1,)."""
+        return y.reshape(1, -1) if y.is_floating_point() else y.reshape(1)
 
-    def _run_device(self, d: int, xs: List[Tensor], ys: List[Tensor], packed: bool) -> None:
-        """Forward + backward of the given samples on device d; adds the summed per-sample loss to
-        loss_acc[d] and the gradient to the replica's grads (queued, no host sync)."""
-        replica, dev = self.replicas[d], self.devices[d]
-        pdtype = self.replica_params[d][0].dtype
-        xs = [self._to(x, dev, pdtype) for x in xs]
+    def _run_packed(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
+        """One packed forward + backward of several samples on device d."""
+        dev = self.devices[d]
+        dtype = self.replica_params[d][0].dtype
+        with self._autocast():
+            out = self.replicas[d]([x.to(dev, dtype=dtype, non_blocking=True) for x in xs])
+        out = out.float()
+        loss = self.per_sample_loss(out, stack_targets(ys, out.shape[-1]).to(dev, non_blocking=True)).sum()
+        loss.backward()
+        self.loss_acc[d].add_(loss.detach())
+
+    def _run_one(self, d: int, x: Tensor, y: Tensor) -> None:
+        """Forward + backward of one sample on device d: a graph replay when possible."""
         cache = self.graph_caches[d]
-        if packed and len(xs) > 1:
-            with self._autocast():
-                out = replica(xs)
-            out = out.float()
-            target = self._to(stack_targets(ys, out.shape[-1]), dev)
-            loss = self.per_sample_loss(out, target).sum()
-            loss.backward()
-            self.loss_acc[d].add_(loss.detach())
+        if cache is not None:
+            cache.run(x, self._one_target(y))
             return
-        for x, y in zip(xs, ys):
-            if cache is not None:
-                cache.run(x, self._to(stack_targets([y], self._output_dim(y)), dev))
-                continue
-            with self._autocast():
-                out = replica(x)
-            out = out.float()
-            target = self._to(stack_targets([y], out.shape[-1]), dev)
-            loss = self._one_sample_loss(out, target)
-            loss.backward()
-            self.loss_acc[d].add_(loss.detach())
-
-    def _output_dim(self, y: Tensor) -> int:
-        # Float targets with O elements go with an (1, O) output; class indices with any O.
-        return y.numel() if y.is_floating_point() else -1
+        dev = self.devices[d]
+        with self._autocast():
+            out = self.replicas[d](x.to(dev, dtype=self.replica_params[d][0].dtype, non_blocking=True))
+        loss = self._one_sample_loss(out.float(), stack_targets([y], out.shape[-1]).to(dev, non_blocking=True))
+        loss.backward()
+        self.loss_acc[d].add_(loss.detach())
 
     # ---------------------------------------------------------------------------------------
     # public API
@@ -327,84 +328,131 @@ class ParallelTrainer:
         Leaves the merged gradient (sum, or mean over these samples) in the master model's .grad;
         no optimizer step. Returns the step's loss as a 0-dim tensor on the master device."""
         xs, ys = self._validate(samples, targets)
-        loss = self._forward_backward(xs, ys, zero=True)
-        self._merge(len(xs))
-        return self._scaled(loss, len(xs))
+        self._micro_step = self._window_samples = 0
+        self._zero(range(len(self.devices)))
+        self._forward_backward(xs, ys)
+        return self._merge(len(xs))
 
     def step(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tensor:
         """compute_gradients, then clipping, the non-finite guard, the optimizer step on the master
         and the parameter sync to every replica. With accumulation_steps=a, gradients accumulate
         over a calls and the optimizer steps on the a-th. Returns the loss of these samples
-        (sum or mean per `reduction`) as a 0-dim tensor on the master device."""
+        (sum or mean per `reduction`) as a 0-dim tensor on the master device; no host sync."""
         xs, ys = self._validate(samples, targets)
-        first = self._micro_step == 0
-        loss = self._forward_backward(xs, ys, zero=first)
+        if self.accumulation_steps == 1:
+            # Replicas were zeroed by the previous merge; only the master needs it.
+            self._zero([self.master_index])
+            self._forward_backward(xs, ys)
+            loss = self._merge(len(xs))
+            self._optimizer_step()
+            return loss
+        # Accumulation: the window's grads add up on every replica and merge on the last call;
+        # each call's own loss is summed across devices here.
+        self._zero(range(len(self.devices)) if self._micro_step == 0 else [])
+        for acc in self.loss_acc:
+            acc.zero_()
+        self._forward_backward(xs, ys)
+        master = self.devices[self.master_index]
+        loss = sum(acc.to(master, non_blocking=True) for acc in self.loss_acc)
         self._micro_step += 1
         self._window_samples += len(xs)
-        if self._micro_step < self.accumulation_steps:
-            return self._scaled(loss, len(xs))
-        n = self._window_samples
-        self._micro_step = 0
-        self._window_samples = 0
-        self._merge(n)
-        self._optimizer_step()
-        return self._scaled(loss, len(xs))
+        if self._micro_step == self.accumulation_steps:
+            self._merge(self._window_samples)
+            self._micro_step = self._window_samples = 0
+            self._optimizer_step()
+        return loss / len(xs) if self.reduction == "mean" else loss
 
-    def _forward_backward(self, xs: List[Tensor], ys: List[Tensor], zero: bool) -> Tensor:
+    def _forward_backward(self, xs: List[Tensor], ys: List[Tensor]) -> None:
         for r in self.replicas:
             if r.training != self.model.training:
                 r.train(self.model.training)
-        if zero:
-            self._zero_grads()
-        else:
-            self._attach_grads()
-        for acc in self.loss_acc:
-            acc.zero_()
         groups = assign_lpt([x.shape[0] for x in xs], len(self.devices), self.samples_per_device)
-        packed = self.samples_per_device > 1 and self._model_accepts_list(xs)
+        packed = self.samples_per_device > 1 and self._packs(xs)
         with torch.profiler.record_function("vlseq::forward_backward"):
-            for d, idx in enumerate(groups):
-                if not idx:
-                    continue
-                ctx = torch.cuda.device(self.devices[d]) if self.is_cuda else contextlib.nullcontext()
-                with ctx:
-                    self._run_device(d, [xs[i] for i in idx], [ys[i] for i in idx], packed)
-        master = self.devices[self.master_index]
-        total = self.loss_acc[self.master_index].clone()
-        for d, acc in enumerate(self.loss_acc):
-            if d != self.master_index:
-                total += acc.to(master, non_blocking=True)
-        return total
+            if packed or not self.is_cuda:
+                for d, idx in enumerate(groups):
+                    if idx:
+                        with self._on(d):
+                            if packed and len(idx) > 1:
+                                self._run_packed(d, [xs[i] for i in idx], [ys[i] for i in idx])
+                            else:
+                                for i in idx:
+                                    self._run_one(d, xs[i], ys[i])
+                return
+            # One sample per device at a time, round robin, so every GPU starts working at once.
+            for s in range(max(len(g) for g in groups)):
+                for d, idx in enumerate(groups):
+                    if s < len(idx):
+                        with self._on(d):
+                            self._run_one(d, xs[idx[s]], ys[idx[s]])
 
-    def _scaled(self, loss: Tensor, n: int) -> Tensor:
-        return loss / n if self.reduction == "mean" else loss
+    def _on(self, d: int):
+        return torch.cuda.device(self.devices[d]) if self.is_cuda else contextlib.nullcontext()
 
-    def _merge(self, n: int) -> None:
+    def _packs(self, xs: List[Tensor]) -> bool:
+        """Whether k samples per device run as one packed batch. "auto" packs only without CUDA
+        graphs: with them, k graph replays per device beat one packed pass, whose cuDNN kernels
+        are launched per time step (BENCHMARKS.md, W2)."""
+        if self.pack == "auto":
+            return not self.cuda_graphs and self._model_accepts_list(xs)
+        return bool(self.pack) and self._model_accepts_list(xs)
+
+    def _merge(self, n: int) -> Tensor:
+        """Master grads <- sum of every replica's (scaled for "mean"), replicas zeroed; the loss
+        accumulators ride along. Returns the step's loss (a copy, on the master device)."""
         with torch.profiler.record_function("vlseq::merge"):
-            self.merger.merge(1.0 / n if self.reduction == "mean" else 1.0)
+            ops.reduce_tensors_(self._merge_lists, 1.0 / n if self.reduction == "mean" else 1.0, zero_others=True)
+        return self.loss_acc[self.master_index].clone()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by the non-finite guard (reads the device-side count: one host sync)."""
+        on_device = int(self._skipped_on_device.item())
+        if on_device > self._skipped_seen:
+            warnings.warn(f"vlseq_ext: {on_device - self._skipped_seen} step(s) had a non-finite gradient and were "
+                          f"skipped ({self._skipped_host + on_device} skipped in all)", RuntimeWarning)
+            self._skipped_seen = on_device
+        return self._skipped_host + on_device
 
     def _optimizer_step(self) -> None:
         self.last_grad_norm = None
+        found_inf = None
         if self.clip_grad_norm is not None or self.nonfinite != "ignore":
             with torch.profiler.record_function("vlseq::grad_norm"):
                 # Global L2 norm on the master's flat gradient buffer; no host sync.
-                self.last_grad_norm = self.merger.grad_norm(self.master_index)
+                master_grads = self._static_grads[self.master_index]
+                flat = ops.flatten(master_grads, out=self._norm_buffer)
+                self.last_grad_norm = torch.linalg.vector_norm(flat)
                 if self.clip_grad_norm is not None:
                     coef = torch.clamp(self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
-                    torch._foreach_mul_(self._static_grads[self.master_index], coef)
-            if self.nonfinite != "ignore" and not bool(torch.isfinite(self.last_grad_norm)):
-                self.skipped_steps += 1
-                self.global_step += 1
-                if self.nonfinite == "raise":
-                    raise FloatingPointError(f"non-finite gradient at step {self.global_step}; no update was made")
-                warnings.warn(f"vlseq_ext: non-finite gradient at step {self.global_step}; skipped the optimizer "
-                              f"step ({self.skipped_steps} skipped so far)", RuntimeWarning)
-                return
+                    torch._foreach_mul_(master_grads, coef)
+            if self.nonfinite != "ignore":
+                if self.nonfinite == "skip" and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                    # Fused optimizers skip on the device when found_inf != 0 (the GradScaler
+                    # protocol): no host sync; the count is read lazily.
+                    found_inf = (~torch.isfinite(self.last_grad_norm)).float()
+                    self._skipped_on_device += found_inf
+                elif not bool(torch.isfinite(self.last_grad_norm)):  # one host sync per step
+                    self._skipped_host += 1
+                    self.global_step += 1
+                    if self.nonfinite == "raise":
+                        raise FloatingPointError(f"non-finite gradient at step {self.global_step}; no update was made")
+                    warnings.warn(f"vlseq_ext: non-finite gradient at step {self.global_step}; skipped the optimizer "
+                                  f"step ({self._skipped_host} skipped so far)", RuntimeWarning)
+                    return
         with torch.profiler.record_function("vlseq::optimizer"):
-            self.optimizer.step()
+            if found_inf is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.grad_scale = None
+                self.optimizer.found_inf = found_inf
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale, self.optimizer.found_inf
         self.global_step += 1
         with torch.profiler.record_function("vlseq::sync"):
-            self.sync_replicas(buffers_only=False)
+            self.sync_replicas()
 
     def sync_replicas(self, buffers_only: bool = False) -> None:
         """Copy the master's parameters (unless buffers_only) and buffers into every replica, over
@@ -461,14 +509,12 @@ class ParallelTrainer:
             return
         target = torch.zeros(1) if target is None else target
         dim = self.input_dim or 1
+        y = self._one_target(target)
         for d, cache in enumerate(self.graph_caches):
             with torch.cuda.device(self.devices[d]):
-                y = self._to(stack_targets([target], self._output_dim(target)), self.devices[d])
                 for L in sorted(set(int(v) for v in lengths), reverse=True):
                     cache.run(torch.randn(L, dim, device=self.devices[d]), y)
-        self._zero_grads()
-        for acc in self.loss_acc:
-            acc.zero_()
+        self._zero(range(len(self.devices)))
 
     def graph_stats(self) -> List[Dict[str, int]]:
         return [c.stats() for c in self.graph_caches if c is not None]
@@ -481,7 +527,9 @@ class ParallelTrainer:
         """Restore the counters and re-sync every replica from the master model (load the model
         and optimizer state first)."""
         self.global_step = int(state.get("global_step", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skipped_host = int(state.get("skipped_steps", 0))
+        self._skipped_on_device.zero_()
+        self._skipped_seen = 0
         self._micro_step = int(state.get("micro_step", 0))
         self._window_samples = int(state.get("window_samples", 0))
         self.sync_replicas()

@@ -50,12 +50,27 @@ void all_reduce_cpu(at::TensorList buffers, c10::string_view op, c10::string_vie
   reduce_tensors(buffers.vec(), mean, 1.0);
 }
 
-void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale) {
+void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale, c10::string_view algo) {
   const int64_t P = check_device_lists("all_reduce_tensors_", tensors, num_devices);
+  TORCH_CHECK(parse_algo("all_reduce_tensors_", std::string(algo)) != Algo::kOneShot,
+              "all_reduce_tensors_: algo one_shot is for flat buffers (all_reduce_); use auto, root, two_shot or "
+              "copy_engine");
   for (int64_t p = 0; p < P; ++p) {
     std::vector<at::Tensor> group;
     for (int64_t d = 0; d < num_devices; ++d) group.push_back(tensors[d * P + p]);
     if (group[0].numel() > 0) reduce_tensors(group, false, scale);
+  }
+}
+
+void reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others) {
+  const int64_t P = check_device_lists("reduce_tensors_", tensors, num_devices);
+  for (int64_t p = 0; p < P; ++p) {
+    std::vector<at::Tensor> group;
+    for (int64_t d = 0; d < num_devices; ++d) group.push_back(tensors[d * P + p]);
+    if (group[0].numel() == 0) continue;
+    if (num_devices > 1 || scale != 1.0) reduce_tensors(group, false, scale);  // same bits as the CUDA root kernel
+    if (zero_others)
+      for (int64_t d = 1; d < num_devices; ++d) group[d].zero_();
   }
 }
 
@@ -86,6 +101,7 @@ std::string p2p_status_cpu(at::TensorList buffers) {
 TORCH_LIBRARY_IMPL(vlseq_ext, CPU, m) {
   m.impl("all_reduce_", &vlseq::all_reduce_cpu);
   m.impl("all_reduce_tensors_", &vlseq::all_reduce_tensors_cpu);
+  m.impl("reduce_tensors_", &vlseq::reduce_tensors_cpu);
   m.impl("broadcast_", &vlseq::broadcast_cpu);
   m.impl("broadcast_tensors_", &vlseq::broadcast_tensors_cpu);
   m.impl("p2p_status", &vlseq::p2p_status_cpu);

@@ -131,6 +131,34 @@ void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) 
   }
 }
 
+void gather(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
+  bool any = false;
+  for (int d : devs) {
+    if (d == root) continue;
+    guard.set_index(static_cast<c10::DeviceIndex>(d));
+    C10_CUDA_CHECK(cudaEventRecord(device_event(d), c10::cuda::getCurrentCUDAStream(d)));
+    any = true;
+  }
+  if (!any) return;
+  guard.set_index(static_cast<c10::DeviceIndex>(root));
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream(root);
+  for (int d : devs)
+    if (d != root) C10_CUDA_CHECK(cudaStreamWaitEvent(s, device_event(d), 0));
+}
+
+void release(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
+  bool any = false;
+  for (int d : devs) any = any || d != root;
+  if (!any) return;
+  guard.set_index(static_cast<c10::DeviceIndex>(root));
+  C10_CUDA_CHECK(cudaEventRecord(device_event(root), c10::cuda::getCurrentCUDAStream(root)));
+  for (int d : devs) {
+    if (d == root) continue;
+    guard.set_index(static_cast<c10::DeviceIndex>(d));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(d), device_event(root), 0));
+  }
+}
+
 void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard) {
   if (waiter == producer) return;
   guard.set_index(static_cast<c10::DeviceIndex>(producer));

@@ -27,6 +27,12 @@ std::mutex& op_mutex();
 // Switches devices through `guard` (the op's one guard, which restores the caller's device).
 void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard);
 
+// `root`'s current stream waits for the work queued so far on every other device's stream.
+void gather(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard);
+
+// Every other device's current stream waits for the work queued so far on `root`'s stream.
+void release(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard);
+
 // `waiter`'s current stream waits for work queued so far on `producer`'s current stream.
 void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard);
 
