@@ -2,6 +2,7 @@
 `torch.stack([...]).sum(0)` loop."""
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence
 
 import torch
@@ -55,21 +56,22 @@ class GradientMerger:
         self.fused = fused
         self.numels = [p.numel() for p in lists[0]]
         self.flat_buffers: List[Tensor] = [torch.empty(sum(self.numels), dtype=dtype, device=d) for d in devices]
-        self._grads: Optional[List[List[Tensor]]] = None
+        self._flat_params = [p for ps in lists for p in ps]
+        self._flat_grads: List[Optional[Tensor]] = [None] * len(self._flat_params)
+        self._packed: Optional[ops.DeviceLists] = None
 
-    def grads(self) -> List[List[Tensor]]:
-        """Every device's grad tensors, allocating zeros for missing ones. Cached while the
-        parameters keep the same .grad objects (optimizer.zero_grad(set_to_none=True) or a
-        user assignment invalidates the cache)."""
-        cached = self._grads
-        if cached is not None and all(p.grad is g for ps, gs in zip(self.params, cached) for p, g in zip(ps, gs)):
-            return cached
-        for ps in self.params:
-            for p in ps:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        self._grads = [[p.grad for p in ps] for ps in self.params]
-        return self._grads
+    def grads(self) -> ops.DeviceLists:
+        """Every device's grad tensors, allocating zeros for missing ones. The layout for the op is
+        built once and reused while the parameters keep the same .grad objects
+        (optimizer.zero_grad(set_to_none=True) or an assignment to .grad rebuilds it)."""
+        if self._packed is not None and all(map(operator.is_, map(_grad_of, self._flat_params), self._flat_grads)):
+            return self._packed
+        for p in self._flat_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._flat_grads = [p.grad for p in self._flat_params]
+        self._packed = ops.DeviceLists([[p.grad for p in ps] for ps in self.params], "GradientMerger")
+        return self._packed
 
     def merge(self, scale: float = 1.0) -> None:
         """Every device's grads <- scale * (sum over devices of the grads). In place, no host sync."""
@@ -77,16 +79,16 @@ class GradientMerger:
         if self.fused:
             ops.all_reduce_tensors_(grads, scale)
             return
-        for gs, flat in zip(grads, self.flat_buffers):
+        for gs, flat in zip(grads.lists, self.flat_buffers):
             ops.flatten(gs, out=flat, numels=self.numels)
         ops.all_reduce_(self.flat_buffers, "sum")
-        for gs, flat in zip(grads, self.flat_buffers):
+        for gs, flat in zip(grads.lists, self.flat_buffers):
             ops.unflatten_(flat, gs, scale)
 
     def grad_norm(self, device_index: int = 0) -> Tensor:
         """Global L2 norm of device `device_index`'s grads, computed on its flat buffer
         (one flatten launch + one norm), as a 0-dim float32 tensor on that device."""
-        flat = ops.flatten(self.grads()[device_index], out=self.flat_buffers[device_index], numels=self.numels)
+        flat = ops.flatten(self.grads().lists[device_index], out=self.flat_buffers[device_index], numels=self.numels)
         return torch.linalg.vector_norm(flat, dtype=torch.float32)
 
     def broadcast_parameters(self, src_index: int = 0) -> None:
@@ -94,3 +96,7 @@ class GradientMerger:
         with torch.no_grad():
             srcs = self.params[src_index]
             ops.broadcast_tensors_(srcs, [ps for i, ps in enumerate(self.params) if i != src_index])
+
+
+def _grad_of(p: Tensor) -> Optional[Tensor]:
+    return p.grad

@@ -19,6 +19,7 @@ __all__ = [
     "unflatten_",
     "all_reduce_",
     "broadcast_",
+    "DeviceLists",
     "all_reduce_tensors_",
     "reduce_tensors_",
     "broadcast_tensors_",
@@ -60,6 +61,9 @@ def flatten(
     than `out`'s: values are converted on the fly. On CUDA this is one kernel launch.
     """
     tensors = list(tensors)
+    if not tensors:
+        # Checked here too: torch 2.11's dispatcher crashes on an empty Tensor?[] with a CUDA `out`.
+        raise ValueError("flatten: tensors must be a non-empty list")
     if numels is None:
         missing = [i for i, t in enumerate(tensors) if t is None]
         if missing:
@@ -114,41 +118,52 @@ def broadcast_(src: Tensor, dsts: Sequence[Tensor]) -> None:
         reference.broadcast_(src, list(dsts))
 
 
-def _device_lists(op: str, tensor_lists: Sequence[Sequence[Tensor]]) -> list:
-    lists = [list(lst) for lst in tensor_lists]
-    if not lists:
-        raise ValueError(f"{op}: tensor_lists must be a non-empty list")
-    sizes = {len(lst) for lst in lists}
-    if len(sizes) != 1:
-        raise ValueError(f"{op}: every device needs the same number of tensors, got {sorted(sizes)}")
-    return lists
+class DeviceLists:
+    """Per-device tensor lists (lists[d][p]: tensor p of device d), checked and laid out once for
+    ops that are called every step on the same tensors (the trainer's merge)."""
+
+    __slots__ = ("lists", "flat", "num_devices")
+
+    def __init__(self, tensor_lists: Sequence[Sequence[Tensor]], op: str = "DeviceLists") -> None:
+        self.lists = [list(lst) for lst in tensor_lists]
+        if not self.lists:
+            raise ValueError(f"{op}: tensor_lists must be a non-empty list")
+        sizes = {len(lst) for lst in self.lists}
+        if len(sizes) != 1:
+            raise ValueError(f"{op}: every device needs the same number of tensors, got {sorted(sizes)}")
+        self.flat = [t for lst in self.lists for t in lst]
+        self.num_devices = len(self.lists)
 
 
-def all_reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0, algo: str = "auto") -> None:
+def _as_lists(tensor_lists, op: str) -> DeviceLists:
+    return tensor_lists if isinstance(tensor_lists, DeviceLists) else DeviceLists(tensor_lists, op)
+
+
+def all_reduce_tensors_(tensor_lists, scale: float = 1.0, algo: str = "auto") -> None:
     """Fused flatten + all-reduce + unflatten: tensor_lists[d] is device d's list of tensors
-    (same shapes and dtypes on every device). Afterwards every tensor_lists[d][p] equals
-    scale * sum_e tensor_lists[e][p], summed in device order, bit-identical on all devices.
-    `algo`: "auto", "root" (one kernel on device 0 reads every device's tensors and stores the
-    result into all of them: the fewest host operations, best for a model's gradients),
-    "two_shot" (each device reduces its share of the elements and stores it everywhere: best
-    for large lists) or "copy_engine"."""
-    lists = _device_lists("all_reduce_tensors_", tensor_lists)
+    (same shapes and dtypes on every device), or a DeviceLists. Afterwards every
+    tensor_lists[d][p] equals scale * sum_e tensor_lists[e][p], summed in device order,
+    bit-identical on all devices. `algo`: "auto", "root" (one kernel on device 0 reads every
+    device's tensors and stores the result into all of them: the fewest host operations, best
+    for a model's gradients), "two_shot" (each device reduces its share of the elements and
+    stores it everywhere: best for large lists) or "copy_engine"."""
+    packed = _as_lists(tensor_lists, "all_reduce_tensors_")
     if _native():
-        torch.ops.vlseq_ext.all_reduce_tensors_([t for lst in lists for t in lst], len(lists), float(scale), algo)
+        torch.ops.vlseq_ext.all_reduce_tensors_(packed.flat, packed.num_devices, float(scale), algo)
     else:
-        reference.all_reduce_tensors_(lists, float(scale))
+        reference.all_reduce_tensors_(packed.lists, float(scale))
 
 
-def reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0, zero_others: bool = True) -> None:
+def reduce_tensors_(tensor_lists, scale: float = 1.0, zero_others: bool = True) -> None:
     """tensor_lists[0][p] <- scale * sum_d tensor_lists[d][p] (device order, one kernel on device
     0's GPU reading its peers), and with `zero_others` every other list is zeroed in the same
-    kernel. The trainer's merge: the master gets the gradient, the replicas restart from zero."""
-    lists = _device_lists("reduce_tensors_", tensor_lists)
+    kernel. The trainer's merge: the master gets the gradient, the replicas restart from zero.
+    Accepts nested lists or a DeviceLists."""
+    packed = _as_lists(tensor_lists, "reduce_tensors_")
     if _native():
-        torch.ops.vlseq_ext.reduce_tensors_([t for lst in lists for t in lst], len(lists), float(scale),
-                                            bool(zero_others))
+        torch.ops.vlseq_ext.reduce_tensors_(packed.flat, packed.num_devices, float(scale), bool(zero_others))
     else:
-        reference.reduce_tensors_(lists, float(scale), bool(zero_others))
+        reference.reduce_tensors_(packed.lists, float(scale), bool(zero_others))
 
 
 def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tensor]]) -> None:

@@ -109,8 +109,11 @@ class ParallelTrainer:
         amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
         accumulation_steps: optimizer steps every this many calls of step().
         nonfinite: "skip" (skip the optimizer step on a NaN/inf gradient, count it, warn),
-            "raise" (FloatingPointError), or "ignore". "skip"/"raise" read one flag per step
-            from the GPU.
+            "raise" (FloatingPointError), or "ignore". With a fused optimizer
+            (torch.optim.Adam/AdamW/SGD(fused=True)) "skip" happens on the GPU with no host sync
+            and the count is read lazily; otherwise "skip"/"raise" read one flag per step.
+        track_grad_norm: compute the global gradient norm every step (last_grad_norm); always
+            on when clipping.
         graph_cache_size, graph_memory_bytes: bounds on the per-device graph cache; past them
             new lengths run eagerly.
     """
@@ -118,8 +121,8 @@ class ParallelTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, devices=None,
                  samples_per_device: int = 1, reduction: str = "sum", cuda_graphs: bool = True,
                  pack: Union[str, bool] = "auto", clip_grad_norm: Optional[float] = None, amp: Optional[str] = None,
-                 accumulation_steps: int = 1, nonfinite: str = "skip", graph_cache_size: int = 1024,
-                 graph_memory_bytes: Optional[int] = None) -> None:
+                 accumulation_steps: int = 1, nonfinite: str = "skip", track_grad_norm: bool = False,
+                 graph_cache_size: int = 1024, graph_memory_bytes: Optional[int] = None) -> None:
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if not isinstance(samples_per_device, int) or samples_per_device < 1:
@@ -167,6 +170,7 @@ class ParallelTrainer:
         self.amp = amp
         self.accumulation_steps = accumulation_steps
         self.nonfinite = nonfinite
+        self.track_grad_norm = track_grad_norm
         self.input_dim = _model_input_dim(model)
         self.is_cuda = self.devices[0].type == "cuda"
 
@@ -190,10 +194,12 @@ class ParallelTrainer:
         # The merge reduces every replica's grads and loss into the master's, in one kernel on the
         # master's device, and zeroes the replicas' (the next step starts from zero there).
         order = [self.master_index] + [i for i in range(len(self.devices)) if i != self.master_index]
-        self._merge_lists = [self._static_grads[i] + [self.loss_acc[i]] for i in order]
+        self._merge_lists = ops.DeviceLists([self._static_grads[i] + [self.loss_acc[i]] for i in order])
         self._norm_buffer = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=master_dev)
         self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=master_dev)
         self._skipped_seen = 0
+        self._inf_flag = torch.zeros((), dtype=torch.float32, device=master_dev)
+        self._one = torch.ones((), dtype=torch.float32, device=master_dev)
 
         self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
         self.graph_caches: List[Optional[GraphCache]] = [None] * len(self.devices)
@@ -414,25 +420,39 @@ class ParallelTrainer:
             self._skipped_seen = on_device
         return self._skipped_host + on_device
 
+    def _found_inf(self) -> Tensor:
+        """1.0 (float32, on the master device) when any merged gradient is NaN/inf, else 0.0."""
+        if self.last_grad_norm is not None:
+            return (~torch.isfinite(self.last_grad_norm)).float()
+        self._inf_flag.zero_()
+        if self.is_cuda:
+            # One multi-tensor kernel over all gradients (GradScaler's check; scaling by 1.0).
+            torch._amp_foreach_non_finite_check_and_unscale_(self._static_grads[self.master_index], self._inf_flag,
+                                                             self._one)
+        else:
+            for g in self._static_grads[self.master_index]:
+                self._inf_flag.logical_or_(~torch.isfinite(g).all())
+        return self._inf_flag
+
     def _optimizer_step(self) -> None:
         self.last_grad_norm = None
-        found_inf = None
-        if self.clip_grad_norm is not None or self.nonfinite != "ignore":
+        master_grads = self._static_grads[self.master_index]
+        if self.clip_grad_norm is not None or self.track_grad_norm:
             with torch.profiler.record_function("vlseq::grad_norm"):
                 # Global L2 norm on the master's flat gradient buffer; no host sync.
-                master_grads = self._static_grads[self.master_index]
-                flat = ops.flatten(master_grads, out=self._norm_buffer)
-                self.last_grad_norm = torch.linalg.vector_norm(flat)
+                self.last_grad_norm = torch.linalg.vector_norm(ops.flatten(master_grads, out=self._norm_buffer))
                 if self.clip_grad_norm is not None:
                     coef = torch.clamp(self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
                     torch._foreach_mul_(master_grads, coef)
-            if self.nonfinite != "ignore":
-                if self.nonfinite == "skip" and getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                    # Fused optimizers skip on the device when found_inf != 0 (the GradScaler
-                    # protocol): no host sync; the count is read lazily.
-                    found_inf = (~torch.isfinite(self.last_grad_norm)).float()
-                    self._skipped_on_device += found_inf
-                elif not bool(torch.isfinite(self.last_grad_norm)):  # one host sync per step
+        found_inf = None
+        if self.nonfinite != "ignore":
+            found_inf = self._found_inf()
+            if self.nonfinite == "skip" and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                # Fused optimizers skip on the device when found_inf != 0 (the GradScaler protocol):
+                # no host sync; the count is read lazily (skipped_steps).
+                self._skipped_on_device += found_inf
+            else:
+                if bool(found_inf):  # one host sync per step
                     self._skipped_host += 1
                     self.global_step += 1
                     if self.nonfinite == "raise":
@@ -440,6 +460,7 @@ class ParallelTrainer:
                     warnings.warn(f"vlseq_ext: non-finite gradient at step {self.global_step}; skipped the optimizer "
                                   f"step ({self._skipped_host} skipped so far)", RuntimeWarning)
                     return
+                found_inf = None
         with torch.profiler.record_function("vlseq::optimizer"):
             if found_inf is None:
                 self.optimizer.step()

@@ -137,7 +137,9 @@ void launch_flatten(Groups& groups, const at::Tensor& flat, double scale) {
   for (auto& [tensor_type, segs] : groups) {
     int64_t total = 0;
     for (const auto& s : segs) total += s.numel;
-    const int64_t chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm, 2048, 16384);
+    // Up to 64K-element chunks: with a long list (table in global memory) each block then finds
+    // its segment only once or twice; the binary search is a chain of dependent loads.
+    const int64_t chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm, 2048, 65536);
     const int64_t chunks = assign_chunks(segs, chunk);
     if (chunks == 0) continue;
     const int grid = grid_for(device, chunks, kBlocksPerSm);

@@ -258,15 +258,17 @@ std::vector<int> devices_of(at::TensorList bufs) {
   return devs;
 }
 
-// Crossovers for `auto`, in bytes per buffer: root below root_max, two_shot above. Measured on
-// 2xH200 (BENCHMARKS.md, "crossover"); VLSEQ_ROOT_MAX_BYTES overrides.
+// Crossover for `auto`, in bytes per buffer: root up to root_max, two_shot above. For 2 GPUs it
+// is measured on 2xH200 (BENCHMARKS.md, "crossover": root wins up to 1 MB, two_shot from 4 MB).
+// For more GPUs the root reads and writes N-1 peers alone, so the crossover comes earlier; 256 KB
+// is an estimate until a 4/8-GPU run measures it. VLSEQ_ROOT_MAX_BYTES overrides.
 int64_t root_max_bytes(int nranks) {
   static const int64_t from_env = [] {
     const char* env = std::getenv("VLSEQ_ROOT_MAX_BYTES");
     return env != nullptr ? std::atoll(env) : int64_t{-1};
   }();
   if (from_env >= 0) return from_env;
-  return nranks <= 2 ? (512 << 10) : (256 << 10);
+  return nranks <= 2 ? (1 << 20) : (256 << 10);
 }
 
 // Resolves `auto` and degrades the peer algorithms to copy_engine when peer access is missing.
