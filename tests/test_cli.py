@@ -1,0 +1,304 @@
+"""vlseq-train end to end on CPU (two CPU replicas): the demo, metrics and plot, exact resume,
+crash-safe checkpoints, signals, bad input, and JapaneseVowels through aeon."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vlseq_ext import checkpoint, cli, data
+
+REPO = Path(__file__).resolve().parents[1]
+# A small, fast configuration: a tiny model on short synthetic runs.
+SMALL = ["--devices", "cpu:2", "--hidden", "8", "--synthetic-samples", "64", "--quiet"]
+
+try:
+    import aeon  # noqa: F401
+    HAS_AEON = True
+except ImportError:
+    HAS_AEON = False
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train fastest single-threaded; two intra-op threads on a 2-core CI box mostly spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def steps(path):
+    return {r["step"]: r for r in map(json.loads, Path(path).read_text().splitlines()) if r["type"] == "step"}
+
+
+def cmd(*argv):
+    return [sys.executable, "-m", "vlseq_ext", *map(str, argv)]
+
+
+def subprocess_env(**extra):
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_demo_loss_falls_and_writes_metrics_and_plot(tmp_path, capsys):
+    # The default model (LSTM 36 -> 64 -> 1) on the default synthetic data, cut short: 200 steps of
+    # 2 samples, just over an epoch of 360 training samples.
+    rc, out, err = run(capsys, "--devices", "cpu:2", "--max-steps", 200, "--synthetic-samples", 400,
+                       "--lr", 3e-3, "--checkpoint-dir", tmp_path / "run", "--quiet")
+    assert rc == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = {r["step"]: r for r in lines if r["type"] == "step"}
+    assert sorted(recs) == list(range(1, 201))
+    loss = [recs[s]["loss"] for s in range(1, 201)]
+    assert np.mean(loss[-40:]) < 0.6 * np.mean(loss[:40])  # observed: 0.40x
+    assert all(recs[s]["grad_norm"] > 0 and recs[s]["samples"] == 2 for s in recs)
+    assert {"samples_per_s", "skipped_steps", "epoch", "lr", "time"} <= set(recs[1])
+    epoch = [r for r in lines if r["type"] == "epoch"]
+    assert len(epoch) == 1 and epoch[0]["step"] == 180
+    assert {"train_loss", "val_loss", "grad_norm", "samples_per_s", "skipped_steps"} <= set(epoch[0])
+    final = [r for r in lines if r["type"] == "val"]
+    assert len(final) == 1 and final[0]["step"] == 200 and final[0]["val_loss"] < 0.5  # the target's variance is ~1
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "vlseq-train summary" in out and "LSTM(36 -> 64) + Linear(64 -> 1), 26,177 parameters" in out
+    assert checkpoint.load_checkpoint(tmp_path / "run")["run"]["step"] == 200
+
+
+def test_resume_repeats_the_uninterrupted_losses_exactly(tmp_path, capsys):
+    # 40 steps cross the epoch boundary (29 steps per epoch); the resumed run stops twice on the way.
+    common = [*SMALL, "--deterministic", "--metrics"]
+    rc, _, err = run(capsys, *common, tmp_path / "straight.jsonl", "--max-steps", 40,
+                     "--checkpoint-dir", tmp_path / "a", "--plot", tmp_path / "a.png")
+    assert rc == 0, err
+    rc, _, err = run(capsys, *common, tmp_path / "resumed.jsonl", "--max-steps", 10, "--checkpoint-dir", tmp_path / "b")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "--resume", tmp_path / "b", "--max-steps", 33, "--checkpoint-every", 4)
+    assert rc == 0 and "resuming at step 10" in err, err
+    # a crash after the step-32 checkpoint: the metrics of step 33 must not survive the resume
+    ck = checkpoint.load_checkpoint(tmp_path / "b")
+    assert ck["run"]["step"] == 33
+    rc, _, err = run(capsys, "--resume", tmp_path / "b", "--max-steps", 40)
+    assert rc == 0, err
+    a, b = steps(tmp_path / "straight.jsonl"), steps(tmp_path / "resumed.jsonl")
+    assert sorted(b) == list(range(1, 41))
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    assert [a[s]["grad_norm"] for s in a] == [b[s]["grad_norm"] for s in a]
+    ea = [r for r in map(json.loads, (tmp_path / "straight.jsonl").read_text().splitlines()) if r["type"] == "epoch"]
+    eb = [r for r in map(json.loads, (tmp_path / "resumed.jsonl").read_text().splitlines()) if r["type"] == "epoch"]
+    key = ("train_loss", "val_loss", "grad_norm", "grad_norm_max")
+    assert [[r[k] for k in key] for r in ea] == [[r[k] for k in key] for r in eb] and len(ea) == 1
+    # a finished run has nothing left to do
+    rc, _, err = run(capsys, "--resume", tmp_path / "b")
+    assert rc == 0 and "nothing to do" in err
+
+
+def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path, capsys):
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 6, "--checkpoint-dir", tmp_path)
+    assert rc == 0, err
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"type": "step", "step": 7, "tor')  # a line torn by a crash
+    cli.open_metrics(metrics, 4).close()  # as a resume from a step-4 checkpoint does
+    assert sorted(steps(metrics)) == [1, 2, 3, 4]
+
+
+def test_checkpoint_is_atomic_and_loads_weights_only(tmp_path, monkeypatch):
+    path = tmp_path / "ck" / "last.pt"
+    checkpoint.save_checkpoint({"w": torch.arange(3), "meta": {"step": 1, "names": ["a", None]}}, path)
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_checkpoint({"w": torch.zeros(5)}, path)
+    assert torch.equal(checkpoint.load_checkpoint(path.parent)["w"], torch.arange(3))
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]  # the temporary file is gone
+
+
+def test_rng_state_round_trip(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.standard_normal(), torch.rand(1)
+    state = checkpoint.capture_rng_state()
+    before = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    # survives the weights_only loader
+    state = checkpoint.load_checkpoint(checkpoint.save_checkpoint({"rng": state}, tmp_path / "rng.pt"))["rng"]
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    checkpoint.restore_rng_state(state)
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == before
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, capsys):
+    # The 2nd save of the process stops halfway through its temporary file; SIGKILL it there.
+    proc = subprocess.Popen(cmd(*SMALL, "--max-steps", 50, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path),
+                            env=subprocess_env(VLSEQ_TEST_HANG_IN_CHECKPOINT_WRITE="2"), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stderr:
+            if "hanging in checkpoint write" in line:
+                break
+        else:
+            pytest.fail("the checkpoint writer never reached the test hook")
+        temps = list(tmp_path.glob(".last.pt.*.tmp"))
+        assert len(temps) == 1 and temps[0].stat().st_size > 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.stderr.close()
+    with pytest.raises(Exception):
+        torch.load(temps[0], weights_only=True)  # the torn temporary file really is torn...
+    ck = checkpoint.load_checkpoint(tmp_path)  # ...and the previous checkpoint is intact
+    assert ck["run"]["step"] == 2 and ck["sampler"]["position"] == 2
+    rc, _, err = run(capsys, "--resume", tmp_path, "--max-steps", 4)
+    assert rc == 0 and "resuming at step 2" in err, err
+    assert checkpoint.load_checkpoint(tmp_path)["run"]["step"] == 4
+    assert not list(tmp_path.glob(".last.pt.*.tmp"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig):
+    proc = subprocess.Popen(cmd(*SMALL, "--max-steps", 100000, "--checkpoint-dir", tmp_path), env=subprocess_env(),
+                            cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert rc == 128 + sig, err
+    assert f"stopped by {signal.Signals(sig).name}" in err and "--resume" in err and "Traceback" not in err
+    ck = checkpoint.load_checkpoint(tmp_path)
+    assert max(steps(metrics)) == ck["run"]["step"] == ck["trainer"]["global_step"] >= 3
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: one line naming the file or sample, exit code 2, no traceback
+
+
+def bad_npz(tmp_path, case):
+    seqs = [np.ones((n, 4), np.float32) for n in (3, 5, 2)]
+    path = tmp_path / f"{case}.npz"
+    if case == "missing":
+        return path
+    if case in ("corrupt", "truncated"):
+        data.save_ragged(path, seqs, np.zeros(3, np.float32))
+        raw = path.read_bytes()
+        path.write_bytes(raw[:len(raw) // 2] if case == "truncated" else b"\x00" * len(raw))
+        return path
+    values, offsets, targets = np.concatenate(seqs), np.array([0, 3, 8, 10]), np.zeros(3, np.float32)
+    if case == "shape":
+        values = values.ravel()
+    elif case == "offsets":
+        offsets = np.array([0, 8, 3, 10])
+    elif case == "nan":
+        values[4, 2] = np.nan
+    elif case == "zero_length":
+        offsets = np.array([0, 3, 3, 10])
+    np.savez(path, values=values, offsets=offsets, targets=targets)
+    return path
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing", "no such file"),
+    ("corrupt", "not an .npz archive"),
+    ("truncated", "corrupt or truncated"),
+    ("shape", "'values' must have shape (total_steps, features)"),
+    ("offsets", "'offsets' are not monotone"),
+    ("nan", "sample 1 has a non-finite value (NaN or inf) at step 1; pass --drop-nonfinite"),
+    ("zero_length", "sample 1 has length 0"),
+])
+def test_bad_data_is_one_line_and_exit_code_2(tmp_path, capsys, case, expect):
+    path = bad_npz(tmp_path, case)
+    rc, out, err = run(capsys, "--data", path, *SMALL, "--checkpoint-dir", tmp_path / "run")
+    assert rc == 2
+    assert err.startswith("vlseq-train: error: ") and err.count("\n") == 1, err
+    assert str(path) in err and expect in err, err
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_drop_nonfinite_trains_on_the_rest(tmp_path, capsys):
+    path = bad_npz(tmp_path, "nan")
+    rc, _, err = run(capsys, "--data", path, "--drop-nonfinite", "--devices", "cpu:2", "--hidden", "4",
+                     "--val-fraction", "0", "--max-steps", "2", "--checkpoint-dir", tmp_path / "run", "--quiet")
+    assert rc == 0, err
+    assert "dropped 1 of 3 samples with NaN/inf values" in err
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, capsys):
+    # Finite data whose huge targets overflow the float32 loss: the trainer skips those steps.
+    seqs = [np.random.default_rng(i).standard_normal((5, 3)).astype(np.float32) for i in range(8)]
+    targets = np.zeros(8, np.float32)
+    targets[[1, 5]] = 1e30
+    data.save_ragged(tmp_path / "inf.npz", seqs, targets)
+    rc, out, err = run(capsys, "--data", tmp_path / "inf.npz", "--devices", "cpu:2", "--hidden", 4, "--val-fraction", 0,
+                       "--epochs", 2, "--checkpoint-dir", tmp_path, "--quiet")
+    assert rc == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # strict JSON
+    skipped = [r for r in lines if r["type"] == "step" and r["skipped"]]
+    assert len(skipped) == 4 and all(r["loss"] is None and r["grad_norm"] is None for r in skipped)
+    epochs = [r for r in lines if r["type"] == "epoch"]
+    assert [r["skipped_steps"] for r in epochs] == [2, 4] and all(0 < r["train_loss"] < 10 for r in epochs)
+    assert "4 skipped as non-finite" in out and "Warning" not in err
+
+
+def test_resume_with_other_feature_count_and_bad_devices(tmp_path, capsys):
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "run")
+    assert rc == 0, err
+    other = bad_npz(tmp_path, "ok")  # 4 features, the checkpoint's model has 36
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--data", other, "--max-steps", 4)
+    assert rc == 2 and err.count("\n") == 1 and str(other) in err
+    assert "4 features per step, but the checkpoint's model was trained on 36" in err
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--hidden", 16)
+    assert rc == 2 and "--hidden 16 differs from the checkpoint's 8" in err
+    rc, _, err = run(capsys, "--resume", tmp_path / "nothing-here")
+    assert rc == 2 and "no checkpoint there" in err
+    n = torch.cuda.device_count()
+    rc, _, err = run(capsys, *SMALL[2:], "--devices", f"cuda:{n + 7}", "--checkpoint-dir", tmp_path / "x")
+    assert rc == 2 and err.count("\n") == 1 and f"cuda:{n + 7} does not exist" in err, err
+
+
+def test_console_entry_exit_code_and_help(tmp_path):
+    res = subprocess.run(cmd("--data", tmp_path / "nope.npz"), env=subprocess_env(),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr == f"vlseq-train: error: {tmp_path / 'nope.npz'}: no such file\n"
+    assert not (tmp_path / "runs").exists()
+    helptext = cli.build_parser().format_help()
+    for opt in ("--data", "--devices", "--samples-per-device", "--epochs", "--max-steps", "--lr", "--model", "--hidden",
+                "--layers", "--task", "--val-fraction", "--seed", "--deterministic", "--amp", "--clip-grad",
+                "--checkpoint-dir", "--checkpoint-every", "--resume", "--metrics", "--plot", "--quiet",
+                "--drop-nonfinite", "--reduction"):
+        assert opt in helptext
+
+
+@pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
+def test_japanese_vowels_classifier_beats_chance(tmp_path, capsys):
+    rc, out, err = run(capsys, "--data", "japanese_vowels", "--devices", "cpu:2", "--hidden", 16, "--epochs", 2,
+                       "--lr", 1e-2, "--checkpoint-dir", tmp_path, "--quiet")
+    assert rc == 0, err
+    epochs = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"]
+    assert len(epochs) == 2 and epochs[-1]["val_accuracy"] > 0.4  # chance: 1/9
+    assert "val accuracy" in out and "(9 classes)" in err
