@@ -116,13 +116,18 @@ class ParallelTrainer:
             on when clipping.
         graph_cache_size, graph_memory_bytes: bounds on the per-device graph cache; past them
             new lengths run eagerly.
+        process_group: "auto" (use the initialised torch.distributed default group, or initialise
+            one from torchrun's environment, when there are several processes), None (this
+            process only), or a ProcessGroup. With several processes the gradient is summed
+            across all of them after the in-process merge (vlseq_ext.distributed).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, devices=None,
                  samples_per_device: int = 1, reduction: str = "sum", cuda_graphs: bool = True,
                  pack: Union[str, bool] = "auto", clip_grad_norm: Optional[float] = None, amp: Optional[str] = None,
                  accumulation_steps: int = 1, nonfinite: str = "skip", track_grad_norm: bool = False,
-                 graph_cache_size: int = 1024, graph_memory_bytes: Optional[int] = None) -> None:
+                 graph_cache_size: int = 1024, graph_memory_bytes: Optional[int] = None,
+                 process_group: Any = "auto") -> None:
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if not isinstance(samples_per_device, int) or samples_per_device < 1:
@@ -200,6 +205,12 @@ class ParallelTrainer:
         self._skipped_seen = 0
         self._inf_flag = torch.zeros((), dtype=torch.float32, device=master_dev)
         self._one = torch.ones((), dtype=torch.float32, device=master_dev)
+        from .distributed import CrossProcessMerge
+        # Across processes: the master's merged gradient and loss, summed over every rank.
+        self.cross_process = CrossProcessMerge.create(process_group, self._static_grads[self.master_index],
+                                                      self.loss_acc[self.master_index])
+        if self.cross_process is not None:
+            self.cross_process.broadcast_from_rank0(params + list(model.buffers()))
 
         self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
         self.graph_caches: List[Optional[GraphCache]] = [None] * len(self.devices)
@@ -406,8 +417,13 @@ class ParallelTrainer:
     def _merge(self, n: int) -> Tensor:
         """Master grads <- sum of every replica's (scaled for "mean"), replicas zeroed; the loss
         accumulators ride along. Returns the step's loss (a copy, on the master device)."""
+        mean = self.reduction == "mean"
         with torch.profiler.record_function("vlseq::merge"):
-            ops.reduce_tensors_(self._merge_lists, 1.0 / n if self.reduction == "mean" else 1.0, zero_others=True)
+            if self.cross_process is None:
+                ops.reduce_tensors_(self._merge_lists, 1.0 / n if mean else 1.0, zero_others=True)
+            else:
+                ops.reduce_tensors_(self._merge_lists, 1.0, zero_others=True)
+                self.cross_process.all_reduce_(n, mean)  # sum over ranks; / global count for "mean"
         return self.loss_acc[self.master_index].clone()
 
     @property
