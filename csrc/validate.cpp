@@ -1,6 +1,7 @@
 #include "vlseq/validate.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <set>
 
@@ -69,7 +70,6 @@ void check_device_buffers(const char* op, const char* arg, at::TensorList buffer
   TORCH_CHECK(!buffers.empty(), op, ": ", arg, " must be a non-empty list");
   const at::Tensor& b0 = buffers[0];
   std::set<int> cuda_devices;
-  std::set<const void*> cpu_ptrs;
   for (size_t i = 0; i < buffers.size(); ++i) {
     const at::Tensor& b = buffers[i];
     TORCH_CHECK(b.defined(), op, ": ", arg, "[", i, "] is undefined");
@@ -86,9 +86,11 @@ void check_device_buffers(const char* op, const char* arg, at::TensorList buffer
     if (b.is_cuda()) {
       TORCH_CHECK(cuda_devices.insert(b.get_device()).second, op, ": ", arg, "[", i, "] is on ", b.device(),
                   ", which another buffer already uses; give one buffer per device");
-    } else if (b.numel() > 0) {
-      TORCH_CHECK(cpu_ptrs.insert(b.data_ptr()).second, op, ": ", arg, "[", i,
-                  "] aliases another buffer; give distinct buffers");
+    } else {
+      for (size_t j = 0; j < i; ++j) {
+        TORCH_CHECK(at::get_overlap_status(b, buffers[j]) == at::MemOverlapStatus::No, op, ": ", arg, "[", i,
+                    "] aliases another buffer; give distinct buffers (it overlaps ", arg, "[", j, "] in memory)");
+      }
     }
   }
 }

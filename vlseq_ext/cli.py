@@ -7,6 +7,11 @@ The training loop lives here (not in ParallelTrainer.fit) so that a checkpoint c
 where it is: model, optimizer, trainer counters, the sampler's (epoch, position), every RNG state
 and the run's configuration. With --deterministic, a resumed run repeats the per-step losses of a
 run that was never interrupted.
+
+Under torchrun (several processes, one or more machines; docs/multi-node.md) every process trains
+its share of each global step (vlseq_ext.distributed); rank 0 alone resolves the configuration and
+reads a resumed checkpoint (and sends both to the others), prints, shows progress, writes metrics,
+the plot and checkpoints. Checkpoints resume on any world size.
 """
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ except ImportError:  # an editable install that maps vlseq_ext as a namespace pa
     __version__ = "0+unknown"
 from .checkpoint import CHECKPOINT_NAME, capture_rng_state, find_checkpoint, load_checkpoint, restore_rng_state, \
     save_checkpoint
+from . import distributed
 from .data import BUILTIN, DataError, LengthBucketSampler, RaggedDataset, open_dataset, split
+from .distributed import DistributedError, DistributedLengthSampler
 from .models import SeqModel
 from .trainer import ParallelTrainer
 
@@ -286,12 +293,13 @@ class Reporter:
     Step losses stay on the device until a flush, so the hot loop has no host sync of its own."""
 
     def __init__(self, cfg: Dict[str, Any], total: Optional[int], state: "RunState", trainer: ParallelTrainer,
-                 metrics: TextIO) -> None:
+                 metrics: TextIO, main: bool = True) -> None:
         self.state, self.trainer, self.metrics = state, trainer, metrics
+        self.main = main  # [distributed] only rank 0 shows progress and writes log lines
         self.log_interval = float(cfg["log_interval"])
         self.total = total
         self.bar = None
-        if not cfg["quiet"] and sys.stderr.isatty():
+        if main and not cfg["quiet"] and sys.stderr.isatty():
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr)
         self.pending: List[Tuple[int, int, Tensor, Optional[Tensor], int, float]] = []
@@ -302,6 +310,8 @@ class Reporter:
         self.grad_norm: Optional[float] = None
 
     def write(self, line: str) -> None:
+        if not self.main:
+            return
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
@@ -484,8 +494,25 @@ def write_plot(path: Path, history: Dict[str, List[Any]], title: str) -> None:
 
 
 def validate(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 256) -> Dict[str, float]:
-    """Mean per-sample validation loss (and accuracy for classification) of the master model."""
+    """Mean per-sample validation loss (and accuracy for classification) of the master model.
+    [distributed] Every rank evaluates every world_size-th sample; one sum across ranks."""
     order = np.argsort(-val.lengths, kind="stable")  # similar lengths together: cheaper packed batches
+    xp = trainer.cross_process
+    if xp is not None:
+        order = order[xp.rank::xp.world_size]
+        master = trainer.devices[trainer.master_index]
+        totals = torch.zeros(2, dtype=torch.float64, device=master)
+        for s in range(0, len(order), chunk):
+            items = [val[int(i)] for i in order[s:s + chunk]]
+            out, losses = trainer.evaluate([x for x, _ in items], [y for _, y in items])
+            totals[0] += losses.double().sum()
+            if val.task == "classification":
+                totals[1] += (out.argmax(1) == torch.stack([y for _, y in items]).to(out.device)).sum()
+        loss_sum, hit_sum = xp.sum_(totals).tolist()
+        res = {"val_loss": loss_sum / len(val)}
+        if val.task == "classification":
+            res["val_accuracy"] = hit_sum / len(val)
+        return res
     sums, hits = [], []
     for s in range(0, len(order), chunk):
         items = [val[int(i)] for i in order[s:s + chunk]]
@@ -532,13 +559,21 @@ class Run:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         devices = parse_devices(cfg["devices"])
+        # [distributed] under torchrun rank 0 alone prints, writes metrics, plots and checkpoints
+        rank, world = distributed.rank_and_world()
+        self.main = rank == 0
+        if devices is None and world > 1:  # --devices all: this process's share of the machine's GPUs
+            try:
+                devices = distributed.default_local_devices()
+            except ValueError as exc:
+                raise CLIError(f"--devices {cfg['devices']}: {exc}") from None
         if not cfg["plot_default"] and not matplotlib_available():
             raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
 
         data, val = open_dataset(cfg["data"], cfg["task"], bool(cfg["drop_nonfinite"]), seed,
                                  int(cfg["synthetic_samples"]))
         for ds in (data, val):
-            if ds is not None and ds.dropped:
+            if ds is not None and ds.dropped and self.main:
                 print(f"{PROG}: {ds.name}: dropped {ds.dropped} of {len(ds) + ds.dropped} samples with NaN/inf values",
                       file=sys.stderr)
         if val is None:
@@ -554,16 +589,27 @@ class Run:
 
         self.model = SeqModel(input_dim=data.num_features, hidden_dim=int(cfg["hidden"]), output_dim=data.output_dim,
                               num_layers=int(cfg["layers"]), rnn=cfg["model"])
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg["lr"]))
+        first = (devices or (["cuda:0"] if torch.cuda.is_available() and torch.cuda.device_count() else ["cpu"]))[0]
+        on_gpu = first.startswith("cuda")
+        if on_gpu:
+            self.model.to(first)
+        # Fused Adam on GPUs: one kernel per step, and the trainer's non-finite guard then skips
+        # bad steps on the device without a host sync.
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg["lr"]), fused=on_gpu or None)
         loss_fn = nn.CrossEntropyLoss() if data.task == "classification" else nn.MSELoss()
         try:
             self.trainer = ParallelTrainer(self.model, self.optimizer, loss_fn, devices=devices,
                                            samples_per_device=int(cfg["samples_per_device"]),
                                            reduction=cfg["reduction"], clip_grad_norm=cfg["clip_grad"],
-                                           amp=cfg["amp"], nonfinite="skip")
+                                           amp=cfg["amp"], nonfinite="skip", track_grad_norm=True)
         except ValueError as exc:
             raise CLIError(f"--devices {cfg['devices']}: {exc}") from None
-        self.sampler = LengthBucketSampler(data.lengths, self.trainer.samples_per_step, seed=seed)
+        # Global steps (world_size x devices x k samples), the same on every rank; each trains its share.
+        self.samples_per_step = self.trainer.samples_per_step * self.trainer.world_size
+        self.sampler = DistributedLengthSampler(data.lengths, self.trainer.samples_per_device, len(self.trainer.devices),
+                                                self.trainer.rank, self.trainer.world_size, seed=seed)
+        self.resized_from: Optional[int] = None
+        self.stop_signal: Optional[int] = None
         self.state = RunState(ckpt.get("run") if ckpt else None)
         if ckpt is not None:
             self._restore(ckpt)
@@ -572,6 +618,8 @@ class Run:
         devs = self.trainer.devices
         self.devices_desc = str(devs[0]) if len(devs) == 1 else (
             f"{devs[0]} x{len(devs)}" if len(set(devs)) == 1 else ", ".join(map(str, devs)))
+        if self.trainer.world_size > 1:
+            self.devices_desc = f"{self.trainer.world_size} processes x ({self.devices_desc})"
         self.last_val: Dict[str, float] = {}
         self.samples_done = 0
 
@@ -594,12 +642,13 @@ class Run:
         for group in self.optimizer.param_groups:  # an --lr given now wins over the saved one
             group["lr"] = float(self.cfg["lr"])
         self.trainer.load_state_dict(ckpt["trainer"])  # after model and optimizer: it re-syncs the replicas
-        try:
+        try:  # any world size: another step size re-cuts the rest of the epoch (DistributedLengthSampler)
             self.sampler.load_state_dict(ckpt["sampler"])
-        except ValueError:
-            raise CLIError(f"--resume: the checkpoint was written with {ckpt['sampler']['batch_size']} samples per "
-                           f"step, this run has {self.trainer.samples_per_step} (devices x --samples-per-device); "
-                           "keep them equal") from None
+        except ValueError as exc:
+            raise CLIError(f"--resume: {exc}") from None
+        saved_bs = int(ckpt["sampler"].get("batch_size", self.samples_per_step))
+        if saved_bs != self.samples_per_step:
+            self.resized_from = saved_bs
         restore_rng_state(ckpt["rng"])  # last: building the model above drew from the RNGs
 
     # -- pieces of the loop ---------------------------------------------------------------------
@@ -612,7 +661,10 @@ class Run:
         return min(limits) if limits else None
 
     def save(self) -> None:
-        """Atomically checkpoint everything a resume needs to continue exactly here."""
+        """Atomically checkpoint everything a resume needs to continue exactly here (rank 0 only: the
+        master's model and optimizer are identical on every rank)."""
+        if not self.main:
+            return
         save_checkpoint({"format": "vlseq_ext.checkpoint/1", "version": __version__, "config": self.cfg,
                          "data": self.meta, "model": self.model.state_dict(),
                          "optimizer": self.optimizer.state_dict(), "trainer": self.trainer.state_dict(),
@@ -648,23 +700,39 @@ class Run:
                   + (f", {self.trainer.skipped_steps} non-finite steps skipped" if self.trainer.skipped_steps else ""))
         self.sampler.set_epoch(epoch)  # before any save: a checkpoint never sits at the end of an epoch
 
+    def _check_stop(self, received: List[int]) -> bool:
+        """Whether a signal stops the run after this step. In one process: whether one arrived. With
+        several, only once every rank knows (the request rides in the step's all-reduce, and all ranks
+        read it after the same step): a rank that stopped alone would leave the others waiting."""
+        if self.stop_signal is None:
+            xp = self.trainer.cross_process
+            if xp is None:
+                if received:
+                    self.stop_signal = received[0]
+            elif xp.stop_requested():
+                self.stop_signal = received[0] if received else int(signal.SIGTERM)
+        return self.stop_signal is not None
+
     def fit(self, rep: Reporter, received: List[int]) -> None:
         """The training loop: until done() or a signal arrives (then after finishing the step)."""
         st, sampler, trainer, every = self.state, self.sampler, self.trainer, int(self.cfg["checkpoint_every"])
-        while not self.done() and not received:
+        xp = trainer.cross_process
+        while not self.done() and self.stop_signal is None:
             if sampler.position >= len(sampler):  # never saved so; be safe anyway
                 sampler.set_epoch(sampler.epoch + 1)
                 continue
             t_mark = time.perf_counter()
-            for batch in sampler:
-                items = [self.data[i] for i in batch]
+            for batch in sampler:  # a global step; this process trains its share
+                if received and xp is not None:
+                    xp.request_stop()
+                items = [self.data[i] for i in sampler.shard(batch)]
                 loss = trainer.step([x for x, _ in items], [y for _, y in items])
                 st.step += 1
                 self.samples_done += len(batch)
                 rep.add(st.step, sampler.epoch + 1, loss / len(batch) if trainer.reduction == "sum" else loss,
                         trainer.last_grad_norm, len(batch), self.optimizer.param_groups[0]["lr"])
                 epoch_end = sampler.position == len(sampler)
-                stop = self.done() or bool(received)
+                stop = self.done() or self._check_stop(received)
                 save = epoch_end or stop or (every > 0 and st.step % every == 0)
                 if not save:
                     continue
@@ -672,8 +740,8 @@ class Run:
                 st.epoch["train_time"] += time.perf_counter() - t_mark
                 if epoch_end:
                     self.end_epoch(rep)
-                    stop = self.done() or bool(received)
-                elif stop and not received:  # a run ending mid-epoch gets a last validation
+                    stop = self.done() or self._check_stop(received)
+                elif stop and self.stop_signal is None:  # a run ending mid-epoch gets a last validation
                     if self.run_validation():
                         rep.write_records([{"type": "val", "step": st.step, "epoch": sampler.epoch + 1,
                                             **self.last_val}])
@@ -687,7 +755,7 @@ class Run:
         st, h, data = self.state, self.state.history, self.data
         rows = [("data", f"{data.name}: {len(data)} train / {len(self.val) if self.val else 0} validation samples"),
                 ("model", describe_model(self.model)),
-                ("devices", f"{self.devices_desc}, {_plural(self.trainer.samples_per_step, 'sample')} per step"),
+                ("devices", f"{self.devices_desc}, {_plural(self.samples_per_step, 'sample')} per step"),
                 ("steps", f"{st.step} ({_plural(self.sampler.epoch, 'epoch')}"
                           f"{f' + {self.sampler.position} batches' if self.sampler.position else ''}), "
                           f"{self.trainer.skipped_steps} skipped as non-finite")]
@@ -713,23 +781,28 @@ def train(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> int:
     """Run (or continue) one training run; returns the exit code."""
     run = Run(cfg, ckpt)
     st, data = run.state, run.data
-    print(f"{PROG}: {data.name}: {len(data)} train / {len(run.val) if run.val else 0} validation samples, "
+    say = print if run.main else (lambda *a, **k: None)  # [distributed] rank 0 speaks for all
+    say(f"{PROG}: {data.name}: {len(data)} train / {len(run.val) if run.val else 0} validation samples, "
           f"{data.num_features} features, lengths {int(data.lengths.min())}-{int(data.lengths.max())}, {data.task}"
           + (f" ({data.output_dim} classes)" if data.task == "classification" else "")
           + (f", from {data.source}" if data.source else ""), file=sys.stderr)
-    print(f"{PROG}: {describe_model(run.model)} on {run.devices_desc}, "
-          f"{_plural(run.trainer.samples_per_step, 'sample')} per step; checkpoints in {cfg['checkpoint_dir']}"
-          + (f"; resuming at step {st.step} (epoch {run.sampler.epoch + 1}, batch {run.sampler.position})"
-             if ckpt else ""),
-          file=sys.stderr)
+    say(f"{PROG}: {describe_model(run.model)} on {run.devices_desc}, "
+        f"{_plural(run.samples_per_step, 'sample')} per step; checkpoints in {cfg['checkpoint_dir']}"
+        + (f"; resuming at step {st.step} (epoch {run.sampler.epoch + 1}, batch {run.sampler.position})"
+           if ckpt else ""),
+        file=sys.stderr)
+    if run.resized_from is not None:
+        say(f"{PROG}: the checkpoint was written with {run.resized_from} samples per step, this run has "
+            f"{run.samples_per_step}: the rest of epoch {run.sampler.epoch + 1} ({_plural(len(run.sampler), 'step')}) "
+            "uses the samples not yet seen, in the same order", file=sys.stderr)
     if run.done():
-        print(f"{PROG}: nothing to do: the run is at step {st.step} after {_plural(run.sampler.epoch, 'epoch')} "
+        say(f"{PROG}: nothing to do: the run is at step {st.step} after {_plural(run.sampler.epoch, 'epoch')} "
               f"(--epochs {run.epochs}, --max-steps {run.max_steps}); raise --epochs or --max-steps to continue",
               file=sys.stderr)
         return 0
 
-    metrics = open_metrics(Path(cfg["metrics"]), st.step if ckpt else None)
-    rep = Reporter(cfg, run.total_steps(), st, run.trainer, metrics)
+    metrics = open_metrics(Path(cfg["metrics"]), st.step if ckpt else None) if run.main else open(os.devnull, "w")
+    rep = Reporter(cfg, run.total_steps(), st, run.trainer, metrics, main=run.main)
     t0 = time.perf_counter()
     try:
         with stop_on_signals() as received, warnings.catch_warnings():
@@ -742,31 +815,86 @@ def train(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> int:
     wall = time.perf_counter() - t0
 
     plot_note = str(cfg["plot"])
-    if matplotlib_available():
+    if not run.main:
+        pass
+    elif matplotlib_available():
         write_plot(Path(cfg["plot"]), st.history, f"{PROG}: {data.name}")
     else:
         plot_note = "skipped: matplotlib is not installed (pip install 'vlseq_ext[plot]')"
-    if received:
-        print(f"{PROG}: stopped by {signal.Signals(received[0]).name} after step {st.step}; checkpoint saved to "
-              f"{run.ckpt_path}. Continue with: {PROG} --resume {cfg['checkpoint_dir']}", file=sys.stderr)
-        return 128 + received[0]
-    print(run.summary(wall, plot_note))
-    return 0
+    if run.stop_signal is not None:
+        say(f"{PROG}: stopped by {signal.Signals(run.stop_signal).name} after step {st.step}; checkpoint saved to "
+            f"{run.ckpt_path}. Continue with: {PROG} --resume {cfg['checkpoint_dir']}", file=sys.stderr)
+        code = 128 + run.stop_signal
+    else:
+        say(run.summary(wall, plot_note))
+        code = 0
+    if run.trainer.cross_process is not None:  # [distributed] no rank leaves before rank 0 has saved
+        run.trainer.cross_process.barrier()
+    return code
+
+
+class _PeerFailed(Exception):
+    """[distributed] rank 0 failed before training (and printed why); the other ranks exit quietly."""
+
+
+def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """resolve_config; [distributed] on rank 0 only, which sends the configuration and the resumed
+    checkpoint to the others, so every rank trains the same run and only rank 0 needs the files."""
+    rank, world = distributed.rank_and_world()
+    if world == 1:
+        return resolve_config(args)
+    payload: List[Any] = [None]
+    if rank == 0:
+        try:
+            payload = [("ok", resolve_config(args))]
+        except (DataError, CLIError) as exc:
+            payload = [("error", str(exc))]
+    try:
+        torch.distributed.broadcast_object_list(payload, src=0)
+    except Exception as exc:
+        raise DistributedError(f"rank {rank}: could not receive the configuration from rank 0: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
+    kind, value = payload[0]
+    if kind == "error":
+        if rank == 0:
+            raise CLIError(value)
+        raise _PeerFailed(value)
+    return value
+
+
+def _start_distributed() -> bool:
+    """[distributed] Under torchrun (WORLD_SIZE > 1): initialise the default process group, gloo for
+    CPU tensors and NCCL for CUDA ones, with the VLSEQ_DIST_TIMEOUT timeout. True when this call did."""
+    if distributed.env_world_size() == 1 or torch.distributed.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    return distributed.init_from_env(backend)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `vlseq-train` and `python -m vlseq_ext`; returns the exit code."""
     args = build_parser().parse_args(argv)
+    started = False
     try:
-        cfg, ckpt = resolve_config(args)
+        started = _start_distributed()
+        cfg, ckpt = resolve_everywhere(args)
         with deterministic_mode(bool(cfg["deterministic"])), cpu_threads():
             return train(cfg, ckpt)
     except (DataError, CLIError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        rank, world = distributed.rank_and_world()
+        print(f"{PROG}: {f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr)
         return 2
+    except _PeerFailed:
+        return 2
+    except DistributedError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: exiting without saving a checkpoint", file=sys.stderr)
         return 130
+    finally:
+        if started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def has_cuda_kernels() -> bool:
     return _ext.has_kernel("flatten_", "CUDA")
 
 
+def _non_empty(tensors: Sequence, op: str, arg: str) -> list:
+    # Checked here as well as in C++: with no tensor argument the dispatcher cannot pick a kernel
+    # and fails with a generic message.
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{op}: {arg} must be a non-empty list")
+    return tensors
+
+
 def _native() -> bool:
     if _ext.LOADED:
         return True
@@ -60,10 +69,8 @@ def flatten(
     allocated with `dtype` (default: the first tensor's dtype). Inputs may have a dtype other
     than `out`'s: values are converted on the fly. On CUDA this is one kernel launch.
     """
-    tensors = list(tensors)
-    if not tensors:
-        # Checked here too: torch 2.11's dispatcher crashes on an empty Tensor?[] with a CUDA `out`.
-        raise ValueError("flatten: tensors must be a non-empty list")
+    # Checked here too: torch 2.11's dispatcher crashed on an empty Tensor?[] with a CUDA `out`.
+    tensors = _non_empty(tensors, "flatten", "tensors")
     if numels is None:
         missing = [i for i, t in enumerate(tensors) if t is None]
         if missing:
@@ -103,19 +110,21 @@ def all_reduce_(buffers: Sequence[Tensor], op: str = "sum", algo: str = "auto") 
     writes every buffer), "one_shot", "two_shot" or "copy_engine" (no peer access). Ordered
     against each device's current stream with events; no host sync.
     """
+    buffers = _non_empty(buffers, "all_reduce_", "buffers")
     if _native():
-        torch.ops.vlseq_ext.all_reduce_(list(buffers), op, algo)
+        torch.ops.vlseq_ext.all_reduce_(buffers, op, algo)
     else:
-        reference.all_reduce_(list(buffers), op, algo)
+        reference.all_reduce_(buffers, op, algo)
 
 
 def broadcast_(src: Tensor, dsts: Sequence[Tensor]) -> None:
     """Copy `src` into every tensor of `dsts` (same numel and dtype; typically on other devices)
     over direct peer reads, ordered with events on the devices' current streams."""
+    dsts = _non_empty(dsts, "broadcast_", "dsts")
     if _native():
-        torch.ops.vlseq_ext.broadcast_(src, list(dsts))
+        torch.ops.vlseq_ext.broadcast_(src, dsts)
     else:
-        reference.broadcast_(src, list(dsts))
+        reference.broadcast_(src, dsts)
 
 
 class DeviceLists:
@@ -131,6 +140,8 @@ class DeviceLists:
         sizes = {len(lst) for lst in self.lists}
         if len(sizes) != 1:
             raise ValueError(f"{op}: every device needs the same number of tensors, got {sorted(sizes)}")
+        if 0 in sizes:
+            raise ValueError(f"{op}: tensors must be a non-empty list (every device list is empty)")
         self.flat = [t for lst in self.lists for t in lst]
         self.num_devices = len(self.lists)
 
@@ -169,7 +180,7 @@ def reduce_tensors_(tensor_lists, scale: float = 1.0, zero_others: bool = True) 
 def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tensor]]) -> None:
     """dst_lists[d][p] <- srcs[p] for every destination list: one kernel on the source device
     stores into every destination over the peer path."""
-    srcs = list(srcs)
+    srcs = _non_empty(srcs, "broadcast_tensors_", "srcs")
     lists = [list(lst) for lst in dst_lists]
     for i, lst in enumerate(lists):
         if len(lst) != len(srcs):
@@ -184,24 +195,44 @@ def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tens
 
 def p2p_status(buffers: Sequence[Tensor]) -> str:
     """Which path all_reduce_ takes for these buffers: "p2p", "copy_engine: <why>", "single" or "cpu"."""
+    buffers = _non_empty(buffers, "p2p_status", "buffers")
     if not _native():
         return "reference"
-    return torch.ops.vlseq_ext.p2p_status(list(buffers))
+    return torch.ops.vlseq_ext.p2p_status(buffers)
+
+
+def _same_device(op: str, tensors: Sequence[Optional[Tensor]], ref: str, device: torch.device) -> None:
+    for i, t in enumerate(tensors):
+        if t is not None and t.device != device:
+            raise RuntimeError(f"{op}: tensors[{i}] is on {t.device} but {ref} is on {device}")
 
 
 def _register_fakes() -> None:
-    """Fake (meta) implementations so torch.compile can trace graphs that call the ops. All
-    ops mutate their inputs in place and return nothing, so the fakes only return None."""
+    """Fake (meta) implementations so torch.compile can trace graphs that call the ops. The ops
+    mutate their inputs in place and return nothing; the fakes check devices, because a call
+    that mixes meta tensors with real ones dispatches here instead of to the real kernels."""
     if not _ext.LOADED:
         return
+    fake = torch.library.register_fake
 
-    def _none(*args, **kwargs) -> None:
-        return None
+    fake("vlseq_ext::flatten_")(lambda tensors, numels, out, scale: _same_device("flatten_", tensors, "out", out.device))
+    fake("vlseq_ext::unflatten_")(lambda flat, tensors, scale: _same_device("unflatten_", tensors, "flat", flat.device))
 
-    for name in ("flatten_", "unflatten_", "all_reduce_", "broadcast_", "all_reduce_tensors_", "reduce_tensors_",
-                 "broadcast_tensors_"):
-        torch.library.register_fake(f"vlseq_ext::{name}")(_none)
-    torch.library.register_fake("vlseq_ext::p2p_status")(lambda buffers: "fake")
+    def _kinds(op: str, arg: str, tensors: Sequence[Tensor]) -> None:
+        # All meta (tracing) is fine; meta mixed with real tensors is a caller's mistake.
+        if any(t.device.type != "meta" for t in tensors):
+            for i, t in enumerate(tensors):
+                if t.device.type == "meta":
+                    raise RuntimeError(f"{op}: {arg}[{i}] must be a CPU or CUDA tensor, got meta")
+
+    fake("vlseq_ext::all_reduce_")(lambda buffers, op, algo="auto": _kinds("all_reduce_", "buffers", buffers))
+    fake("vlseq_ext::broadcast_")(lambda src, dsts: _kinds("broadcast_", "src+dsts", [src, *dsts]))
+    fake("vlseq_ext::all_reduce_tensors_")(
+        lambda tensors, num_devices, scale, algo="auto": _kinds("all_reduce_tensors_", "tensors", tensors))
+    fake("vlseq_ext::reduce_tensors_")(
+        lambda tensors, num_devices, scale, zero_others: _kinds("reduce_tensors_", "tensors", tensors))
+    fake("vlseq_ext::broadcast_tensors_")(lambda srcs, dsts: _kinds("broadcast_tensors_", "srcs+dsts", [*srcs, *dsts]))
+    fake("vlseq_ext::p2p_status")(lambda buffers: "fake")
 
 
 _register_fakes()

@@ -17,9 +17,10 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 14;
 
-// out_j[k] = finish(sum_{j=0..N-1} in_j[k]) for all j, in place. `divide` selects the mean.
+// Sums bufs[0..N-1] in that order (widened accumulation) and writes the result into the first
+// `nresult` buffers. `divide` selects the mean.
 template <typename T>
-void reduce_in_place(const std::vector<T*>& bufs, int64_t n, bool divide, double scale) {
+void reduce_in_place(const std::vector<T*>& bufs, size_t nresult, int64_t n, bool divide, double scale) {
   using Acc = opmath_t<T, T>;
   const Acc s = static_cast<Acc>(scale);
   const Acc count = static_cast<Acc>(bufs.size());
@@ -29,16 +30,16 @@ void reduce_in_place(const std::vector<T*>& bufs, int64_t n, bool divide, double
       for (size_t j = 1; j < bufs.size(); ++j) acc += cvt<Acc>(bufs[j][k]);
       acc = divide ? acc / count : acc * s;
       const T r = cvt<T>(acc);
-      for (T* p : bufs) p[k] = r;
+      for (size_t j = 0; j < nresult; ++j) bufs[j][k] = r;
     }
   });
 }
 
-void reduce_tensors(std::vector<at::Tensor> group, bool divide, double scale) {
+void reduce_tensors(const std::vector<at::Tensor>& group, size_t nresult, bool divide, double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, group[0].scalar_type(), "vlseq_reduce_cpu", [&] {
     std::vector<scalar_t*> ptrs;
     for (auto& t : group) ptrs.push_back(t.mutable_data_ptr<scalar_t>());
-    reduce_in_place<scalar_t>(ptrs, group[0].numel(), divide, scale);
+    reduce_in_place<scalar_t>(ptrs, nresult, group[0].numel(), divide, scale);
   });
 }
 
@@ -47,7 +48,7 @@ void all_reduce_cpu(at::TensorList buffers, c10::string_view op, c10::string_vie
   const bool mean = parse_reduce_op("all_reduce_", std::string(op));
   parse_algo("all_reduce_", std::string(algo));
   if (buffers.size() == 1) return;  // sum or mean of one buffer is the buffer
-  reduce_tensors(buffers.vec(), mean, 1.0);
+  reduce_tensors(buffers.vec(), buffers.size(), mean, 1.0);
 }
 
 void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale, c10::string_view algo) {
@@ -58,7 +59,7 @@ void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double 
   for (int64_t p = 0; p < P; ++p) {
     std::vector<at::Tensor> group;
     for (int64_t d = 0; d < num_devices; ++d) group.push_back(tensors[d * P + p]);
-    if (group[0].numel() > 0) reduce_tensors(group, false, scale);
+    if (group[0].numel() > 0) reduce_tensors(group, group.size(), false, scale);
   }
 }
 
@@ -68,7 +69,7 @@ void reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scal
     std::vector<at::Tensor> group;
     for (int64_t d = 0; d < num_devices; ++d) group.push_back(tensors[d * P + p]);
     if (group[0].numel() == 0) continue;
-    if (num_devices > 1 || scale != 1.0) reduce_tensors(group, false, scale);  // same bits as the CUDA root kernel
+    if (num_devices > 1 || scale != 1.0) reduce_tensors(group, 1, false, scale);  // same bits as the CUDA root kernel
     if (zero_others)
       for (int64_t d = 1; d < num_devices; ++d) group[d].zero_();
   }
