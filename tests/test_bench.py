@@ -1,0 +1,204 @@
+"""The benchmark suite on CPU: the quick run end to end (subprocess), its JSON schema, the DDP
+worker under gloo, and the report/target logic on GPU-shaped results (which CI cannot produce)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vlseq_ext.bench.__main__ import parse_devices
+from vlseq_ext.bench.baselines import run_ddp
+from vlseq_ext.bench.report import Results, evaluate_targets, validate, write_outputs
+from vlseq_ext.bench.timing import stats, time_loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NCCL_NVLS_ENABLE="0")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "vlseq_ext.bench", "--quick", "--devices", "cpu:2", "--out", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "bench-results.json") as f:
+        return out, json.load(f), proc.stdout
+
+
+def test_quick_cpu_run_writes_valid_results(quick_run):
+    out, d, stdout = quick_run
+    assert validate(d) == []
+    assert d["errors"] == {}
+    meta = d["meta"]
+    assert meta["device_type"] == "cpu" and meta["num_devices"] == 2 and meta["quick"] is True
+    assert "--quick" in meta["command"]
+    seed = d["merge"]["seed_model"]
+    assert seed["numel"] == 26177 and seed["tensors"] == 6
+    assert {"seed_style", "reference", "vlseq", "vlseq_unfused", "ddp_gloo"} <= set(seed["us_per_merge"])
+    flat = d["merge"]["flat_fp32"]["1MB"]
+    assert {"seed_style", "reference", "vlseq", "ddp_gloo"} <= set(flat["algbw_gbps"])
+    assert flat["bytes"] == 1 << 20 and "vlseq" in d["merge"]["flat_bf16"]["1MB"]["algbw_gbps"]
+    w1 = d["train"]["w1_k1_seed"]
+    assert {"one_gpu", "vlseq", "vlseq_1gpu"} <= set(w1["samples_per_s"])
+    assert w1["num_devices"]["vlseq"] == 2 and w1["ratios"]["vs_one_gpu"]["one_gpu"] == pytest.approx(1.0)
+    # GPU-only parts are skipped with a reason, and the targets say they were not run.
+    assert "CUDA" in d["skipped"]["merge.seed_model.cat_nccl"]
+    assert "merge.p2p_copy_gbps" in d["skipped"] and "train.w1_k1_seed.seed_style" in d["skipped"]
+    assert {t["status"] for t in d["targets"].values()} == {"not run"}
+    assert set(d["timings_s"]) >= {"merge", "train", "ddp", "total"}
+    summary = (out / "summary.md").read_text()
+    assert "## Targets" in summary and "not run" in summary and "## Skipped" in summary
+    assert "| vlseq |" in stdout  # the tables are printed too
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "merge_time.png").exists() and (out / "train_samples_per_s.png").exists()
+    else:
+        assert "plots" in d["skipped"]
+
+
+def test_ddp_worker_gloo_survives_a_failing_job():
+    timing = {"repeats": 2, "target_s": 0.01, "min_iters": 2}
+    jobs = [{"key": "flat", "kind": "merge_flat", "numel": 1000, "dtype": "bfloat16", "timing": timing},
+            {"key": "bad", "kind": "no_such_job", "timing": timing},
+            {"key": "seed", "kind": "merge_seed", "timing": timing},
+            {"key": "train", "kind": "train", "model": {}, "k": 2, "pool": 4, "timing": dict(timing, min_iters=1)}]
+    res = run_ddp(jobs, [torch.device("cpu")] * 2, timeout_s=120)
+    assert "no_such_job" in res["bad"]["error"]
+    for key in ("flat", "seed", "train"):
+        assert "error" not in res[key], res[key]
+        assert len(res[key]["times"]) == 2 and all(t > 0 for t in res[key]["times"])
+    assert res["train"]["setup_s"] > 0
+
+
+def test_parse_devices():
+    assert parse_devices("cpu:2") == [torch.device("cpu")] * 2
+    assert parse_devices("cpu") == [torch.device("cpu")]
+    if not torch.cuda.is_available():
+        assert parse_devices(None) == [torch.device("cpu")] * 2
+        with pytest.raises(ValueError, match="cpu:2"):
+            parse_devices("2")
+        with pytest.raises(ValueError):
+            parse_devices("0,1")
+
+
+def test_time_loop_and_stats():
+    calls = []
+    ts = time_loop(lambda: calls.append(1), lambda: None, repeats=5, warmup=2, target_s=0.001, min_iters=10)
+    assert len(ts) == 5 and all(t > 0 for t in ts) and len(calls) >= 2 + 5 * 10
+    ts = time_loop(lambda: None, lambda: None, repeats=3, warmup=0, iters=7, agree=lambda n: n + 1)
+    assert len(ts) == 3
+    assert stats([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+
+
+def _gpu_shaped_results() -> Results:
+    meta = {"date": "d", "command": "vlseq-bench", "argv": [], "quick": False, "suite": "all",
+            "devices": ["cuda:0", "cuda:1"], "device_type": "cuda", "num_devices": 2, "gpu_count": 2,
+            "gpu_names": ["NVIDIA H200"] * 2, "peer_access": [[True, True], [True, True]], "torch": "2.11",
+            "cuda": "13.0", "cudnn": 9, "nccl": "2.27", "driver": "580"}
+    r = Results(meta)
+    r.set("merge.devices", meta["devices"])
+    r.set("merge.seed_model", {"numel": 26177, "tensors": 6, "bytes": 104708, "min_merges_per_repeat": 500})
+    for name, us in {"seed_style": 248.0, "cat_nccl": 59.0, "vlseq": 12.0, "ddp_nccl": 40.0}.items():
+        r.record("merge.seed_model.us_per_merge", name, [us, us * 0.9, us * 1.1])
+    for size, nbytes in {"1MB": 1 << 20, "256MB": 256 << 20}.items():
+        r.set(f"merge.flat_fp32.{size}.bytes", nbytes)
+        for name, gbps in {"cat_nccl": 290.0, "vlseq": 330.0, "vlseq_two_shot": 335.0}.items():
+            r.record(f"merge.flat_fp32.{size}.us", name, [nbytes / gbps / 1e3] * 3)
+            r.record(f"merge.flat_fp32.{size}.algbw_gbps", name, [gbps, gbps - 1, gbps + 1])
+    r.set("merge.p2p_copy_gbps", 381.0)
+    r.set("merge.p2p_copy_gbps_spread", stats([380.0, 381.0, 382.0]))
+    for wl, k, sps in (("w1_k1_seed", 1, {"one_gpu": 467.0, "seed_style": 384.0, "vlseq": 1500.0}),
+                       ("w2_k32_seed", 32, {"one_gpu_packed": 1715.0, "vlseq_1gpu": 2000.0, "vlseq": 3900.0})):
+        r.set(f"train.{wl}", {"model": {"name": "seed"}, "params": 26177, "k": k, "pool_samples": 64,
+                              "num_devices": {}, "notes": {}})
+        for name, v in sps.items():
+            r.record(f"train.{wl}.samples_per_s", name, [v, v * 0.95, v * 1.05])
+            r.node(f"train.{wl}.num_devices")[name] = 1 if name in ("one_gpu", "one_gpu_packed", "vlseq_1gpu") else 2
+    r.error("train.w2_k32_seed.ddp_nccl", "RuntimeError: NCCL error")
+    return r
+
+
+def test_targets_and_report_on_gpu_shaped_results(tmp_path):
+    from vlseq_ext.bench.train import add_ratios
+    r = _gpu_shaped_results()
+    add_ratios(r, cuda=True)
+    t = evaluate_targets(r)
+    assert t["M1"]["status"] == "met" and t["M1"]["ratio"] == pytest.approx(248 / 12)
+    assert t["M2"]["status"] == "missed"  # 330/381 = 87% < 90%
+    assert t["M2"]["checks"]["x_cat_nccl"]["ok"] and not t["M2"]["checks"]["fraction_of_p2p_copy"]["ok"]
+    assert t["M2"]["best_variant"]["method"] == "vlseq_two_shot"  # reported beside the default's status
+    assert t["W1"]["status"] == "met" and not t["W1"]["checks"]["goal"]["ok"]
+    assert t["W2"]["status"] == "not run" and "ddp_nccl" in t["W2"]["detail"]
+    md = write_outputs(r, str(tmp_path), log=lambda s: None)
+    d = json.loads((tmp_path / "bench-results.json").read_text())
+    assert validate(d) == []
+    assert d["train"]["w1_k1_seed"]["ratios"]["vs_one_gpu"]["vlseq"] == pytest.approx(1500 / 467)
+    assert "**met**" in md and "**missed**" in md and "381" in md and "NCCL error" in md
+
+
+def test_validate_reports_problems():
+    r = _gpu_shaped_results()
+    d = json.loads(json.dumps(r.data))
+    d["merge"]["seed_model"]["us_per_merge"]["vlseq"] = -1
+    del d["train"]["w1_k1_seed"]["samples_per_s_spread"]["vlseq"]
+    problems = validate(d)
+    assert any("us_per_merge.vlseq" in p for p in problems)
+    assert any("samples_per_s_spread.vlseq" in p for p in problems)
+    assert validate({}) != []
+
+
+def test_every_training_loop_runs_with_cpu_stand_ins(monkeypatch):
+    """The GPU-only loops (seed-style replicate, DataParallel, trainer variants) cannot run in CI;
+    run their Python paths with CPU stand-ins for replicate/parallel_apply so a typo cannot wait
+    for the GPU run to show up."""
+    import copy
+
+    from torch.nn import parallel
+
+    from vlseq_ext.bench import baselines, train
+    from vlseq_ext.bench.timing import Budget
+
+    monkeypatch.setattr(baselines, "_need_gpus", lambda devices, what: None)
+    monkeypatch.setattr(parallel, "replicate", lambda model, ids: [copy.deepcopy(model) for _ in ids])
+    monkeypatch.setattr(parallel, "parallel_apply",
+                        lambda mods, inputs, devices=None: [m(*i) for m, i in zip(mods, inputs)])
+    res = Results({})
+    budget = Budget(True, 2, 2, 0.01, 0.01, 0.01)
+    pool = baselines.make_pool(16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the bench does on CPU: tiny ops, no OpenMP overhead
+    try:
+        for name in baselines.BUILDERS:
+            res.set("train.x", {"num_devices": {}, "notes": {}})
+            train._run_method(res, "train.x", name, {"hidden_dim": 8}, 4, [torch.device("cpu")] * 2, pool, budget)
+            assert res.get("train.x.samples_per_s")[name] > 0, name
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gpu_plan_has_every_method_and_target_input():
+    """What a 2-GPU run would measure (planning only: nothing touches a GPU)."""
+    from vlseq_ext import ops
+    from vlseq_ext.bench import merge, train
+    from vlseq_ext.bench.timing import Budget
+
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    res = Results({})
+    m_tasks, m_jobs = merge.tasks(devs, Budget.make(False), res)
+    t_tasks, t_jobs = train.tasks(devs, Budget.make(False), res)
+    keys = {t.key for t in m_tasks + t_tasks} | {j["key"] for j, _ in m_jobs + t_jobs}
+    ours = {"merge.seed_model.vlseq", "merge.flat_fp32.256MB.vlseq"} if ops.has_cuda_kernels() else set()
+    assert ours | {"merge.seed_model.seed_style", "merge.seed_model.reduce_add_coalesced", "merge.seed_model.cat_nccl",
+                   "merge.seed_model.ddp_nccl", "merge.flat_fp32.256MB.cat_nccl", "merge.flat_bf16.1MB.ddp_nccl",
+                   "merge.p2p_copy_gbps", "train.w1_k1_seed.one_gpu", "train.w1_k1_seed.seed_style",
+                   "train.w1_k1_seed.vlseq", "train.w2_k32_seed.vlseq_1gpu", "train.w2_k32_seed.ddp_nccl",
+                   "train.w2_k32_seed.data_parallel", "train.w2_k32_large.one_gpu_packed"} <= keys
+    assert set(res.data["skipped"]) == {f"train.{w}.{m}" for w in ("w1_k1_large", "w2_k32_large")
+                                        for m in train.VARIANTS if m != "vlseq_eager" or w.startswith("w1")}

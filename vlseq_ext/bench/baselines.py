@@ -1,0 +1,374 @@
+"""The training loops we compare against (and our trainer, wrapped the same way), the synthetic
+data they share, and the DDP worker that runs inside spawned processes.
+
+Every loop is built by a function `build_<method>(make_model, devices, k, pool) -> Loop`; the
+Loop's `step()` runs one optimizer step on `samples_per_step` samples taken in turn from the
+pool. No loop reads the loss back to the host inside the timed region (the seed's `.item()`
+logging is left out of all of them alike). Samples live on the host (pinned when CUDA is used),
+as a DataLoader would hand them over, and each loop moves them itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..models import SeqModel
+from .report import Skip
+from .timing import synchronizer, time_loop
+
+FEATURES = 36
+MIN_LEN, MAX_LEN = 50, 500
+
+# replicate() and DataParallel copy cuDNN RNN weights out of their flat buffer; cuDNN then warns
+# on every call. Expected for those baselines, and noise in a benchmark's output.
+warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
+
+
+# --------------------------------------------------------------------------------------------
+# data
+Pool = Tuple[List[Tensor], List[Tensor]]
+
+
+def make_pool(n: int, seed: int = 0, pin: bool = False) -> Pool:
+    """n synthetic samples: x of shape (L, 36) with L uniform in [50, 500], y of shape (1,); the
+    same for a given (n, seed) in every process."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=g).tolist()
+    xs = [torch.randn(L, FEATURES, generator=g) for L in lengths]
+    ys = [torch.randn(1, generator=g) for _ in lengths]
+    if pin:
+        xs = [x.pin_memory() for x in xs]
+        ys = [y.pin_memory() for y in ys]
+    return xs, ys
+
+
+class Feeder:
+    """Hands out the pool's samples in order, cycling."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.xs, self.ys = pool
+        self.i = 0
+
+    def next(self, n: int) -> Pool:
+        idx = [(self.i + j) % len(self.xs) for j in range(n)]
+        self.i = (self.i + n) % len(self.xs)
+        return [self.xs[j] for j in idx], [self.ys[j] for j in idx]
+
+
+@dataclass
+class Loop:
+    step: Callable[[], object]  # one optimizer step
+    samples_per_step: int
+    devices: List[torch.device]  # the devices to synchronize around timed loops
+    extra: Dict[str, object] = field(default_factory=dict)
+
+
+def _need_gpus(devices: Sequence[torch.device], what: str) -> None:
+    if len(devices) < 2 or any(d.type != "cuda" for d in devices):
+        raise Skip(f"{what} needs >= 2 CUDA devices")
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _to(ts: Sequence[Tensor], dev: torch.device) -> List[Tensor]:
+    return [t.to(dev, non_blocking=True) for t in ts]
+
+
+# --------------------------------------------------------------------------------------------
+# loops
+def build_one_gpu(make_model, devices, k, pool) -> Loop:
+    """The plain loop users write: per sample forward, MSE, backward, Adam step."""
+    dev = devices[0]
+    model = make_model().to(dev)
+    opt, loss_fn, feed = _adam(model), nn.MSELoss(), Feeder(pool)
+
+    def step() -> None:
+        (x,), (y,) = feed.next(1)
+        out = model(x.to(dev, non_blocking=True))
+        loss = loss_fn(out, y.to(dev, non_blocking=True).view_as(out))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return Loop(step, 1, [dev])
+
+
+def build_one_gpu_packed(make_model, devices, k, pool) -> Loop:
+    """One device, k samples per step as one packed batch (model(list) packs them)."""
+    dev = devices[0]
+    model = make_model().to(dev)
+    opt, feed = _adam(model), Feeder(pool)
+
+    def step() -> None:
+        xs, ys = feed.next(k)
+        out = model(_to(xs, dev))
+        loss = F.mse_loss(out, torch.stack(ys).to(dev, non_blocking=True), reduction="sum")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return Loop(step, k, [dev])
+
+
+def build_seed_style(make_model, devices, k, pool) -> Loop:
+    """The seed's loop, corrected (DESIGN.md §1): replicate every step, one sample per GPU,
+    parallel_apply, one backward over all losses. Backward through replicate sums every
+    replica's gradient into the master's .grad (autograd's merge), so no Python merge; then Adam
+    on the master."""
+    _need_gpus(devices, "nn.parallel.replicate")
+    from torch.nn import parallel
+    ids = [d.index for d in devices]
+    model = make_model().to(devices[0])
+    opt, loss_fn, feed = _adam(model), nn.MSELoss(), Feeder(pool)
+
+    def step() -> None:
+        xs, ys = feed.next(len(ids))
+        replicas = parallel.replicate(model, ids)
+        inputs = [(x.to(d, non_blocking=True),) for x, d in zip(xs, devices)]
+        outs = parallel.parallel_apply(replicas, inputs, devices=ids)
+        losses = [loss_fn(o, y.to(o.device, non_blocking=True).view_as(o)) for o, y in zip(outs, ys)]
+        torch.autograd.backward(losses)
+        opt.step()
+        opt.zero_grad()
+
+    return Loop(step, len(ids), list(devices))
+
+
+class _Padded(nn.Module):
+    """SeqModel on a zero-padded batch (B, Lmax, D): the padding runs through the LSTM."""
+
+    def __init__(self, model: SeqModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.model.recurrent(x)[1]
+        h = h[0] if isinstance(h, tuple) else h
+        return self.model.fc(h[-1])
+
+
+def build_data_parallel(make_model, devices, k, pool) -> Loop:
+    """nn.DataParallel over a zero-padded batch of k samples per GPU. Padding enters the LSTM, so
+    its results differ from the exact methods: a throughput-only baseline."""
+    _need_gpus(devices, "nn.DataParallel")
+    ids = [d.index for d in devices]
+    dev = devices[0]
+    model = make_model().to(dev)
+    dp = nn.DataParallel(_Padded(model), device_ids=ids, output_device=ids[0])
+    opt = _adam(model)
+    b = k * len(ids)
+    xs, ys = pool
+    # Collated ahead, as DataLoader workers would (pad to the batch's max length).
+    pin = (lambda t: t.pin_memory()) if dev.type == "cuda" else (lambda t: t)
+    batches = [(pin(nn.utils.rnn.pad_sequence(xs[s:s + b], batch_first=True)), pin(torch.stack(ys[s:s + b])))
+               for s in range(0, len(xs) - b + 1, b)]
+    it = [0]
+
+    def step() -> None:
+        X, Y = batches[it[0] % len(batches)]
+        it[0] += 1
+        out = dp(X.to(dev, non_blocking=True))
+        loss = F.mse_loss(out, Y.to(dev, non_blocking=True), reduction="sum")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return Loop(step, b, list(devices))
+
+
+def build_vlseq(make_model, devices, k, pool, *, cuda_graphs: bool = True, fused_adam: bool = False,
+                **trainer_kw) -> Loop:
+    """Our ParallelTrainer, constructed as its docstring shows (plain Adam); CUDA graphs
+    pre-captured for the pool's lengths by trainer.warmup, counted in setup_s."""
+    from ..trainer import ParallelTrainer
+    model = make_model().to(devices[0])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused_adam else _adam(model)
+    trainer = ParallelTrainer(model, opt, nn.MSELoss(), devices=[str(d) for d in devices],
+                              samples_per_device=k, reduction="sum", cuda_graphs=cuda_graphs, **trainer_kw)
+    if getattr(trainer, "cuda_graphs", False):
+        trainer.warmup(sorted({x.shape[0] for x in pool[0]}))
+    feed, n = Feeder(pool), k * len(devices)
+
+    def step() -> Tensor:
+        xs, ys = feed.next(n)
+        return trainer.step(xs, ys)
+
+    loop = Loop(step, n, list(trainer.devices))
+    loop.extra["trainer"] = trainer
+    return loop
+
+
+BUILDERS: Dict[str, Callable[..., Loop]] = {
+    "seed_style": build_seed_style,
+    "one_gpu": build_one_gpu,
+    "one_gpu_packed": build_one_gpu_packed,
+    "data_parallel": build_data_parallel,
+    "vlseq": build_vlseq,
+    "vlseq_1gpu": lambda mm, devs, k, pool: build_vlseq(mm, devs[:1], k, pool),
+    "vlseq_eager": lambda mm, devs, k, pool: build_vlseq(mm, devs, k, pool, cuda_graphs=False),
+    "vlseq_noguard": lambda mm, devs, k, pool: build_vlseq(mm, devs, k, pool, nonfinite="ignore"),
+    "vlseq_fused_adam": lambda mm, devs, k, pool: build_vlseq(mm, devs, k, pool, fused_adam=True),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed: one process per device
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp(jobs: List[dict], devices: Sequence[torch.device], timeout_s: float) -> Dict[str, dict]:
+    """Runs `jobs` in len(devices) spawned processes (NCCL on CUDA, gloo on CPU), each job timed
+    inside the processes. Returns {job key: {"times": [per repeat, max over ranks]} or {"error": str}}.
+    A crash or hang (past timeout_s) costs only the jobs that had not finished."""
+    import torch.multiprocessing as mp
+
+    world = len(devices)
+    cuda = devices[0].type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    ids = [d.index for d in devices] if cuda else [None] * world
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (DESIGN.md §5); inherited by the children
+    failure = ""
+    with tempfile.TemporaryDirectory(prefix="vlseq-bench-ddp-") as tmp:
+        ctx = mp.start_processes(ddp_worker, args=(world, free_port(), backend, ids, jobs, tmp),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    failure = f"DDP processes timed out after {timeout_s:.0f} s"
+                    break
+        except Exception as exc:  # a rank raised or died; ctx.join killed the others
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            failure = f"{type(exc).__name__}: {lines[-1] if lines else exc}"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        per_rank = []
+        for r in range(world):
+            try:
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    per_rank.append(json.load(f))
+            except (OSError, ValueError):
+                per_rank.append({})
+    out: Dict[str, dict] = {}
+    for job in jobs:
+        key = job["key"]
+        res = [rk.get(key) for rk in per_rank]
+        errs = [r["error"] for r in res if r and "error" in r]
+        if errs:
+            out[key] = {"error": errs[0]}
+        elif all(r and "times" in r for r in res):
+            out[key] = {"times": [max(ts) for ts in zip(*(r["times"] for r in res))],
+                        "setup_s": max(r.get("setup_s", 0.0) for r in res)}
+        else:
+            out[key] = {"error": failure or "no result from the DDP processes"}
+    return out
+
+
+def ddp_worker(rank: int, world: int, port: int, backend: str, ids: List, jobs: List[dict], out_dir: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(ids[rank])
+        dev = torch.device("cuda", ids[rank])
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    dev_sync = synchronizer([dev])
+
+    def agree(n: int) -> int:  # max over ranks
+        flag.fill_(int(n))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def sync() -> None:  # all ranks start and stop each timed loop together
+        dev_sync()
+        agree(0)
+        dev_sync()
+
+    results: Dict[str, dict] = {}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    for job in jobs:
+        try:
+            results[job["key"]] = _ddp_job(job, rank, world, dev, sync, agree)
+        except Exception as exc:
+            tb = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"rank {rank}, {os.path.basename(tb.filename)}:{tb.lineno}"
+            results[job["key"]] = {"error": f"{type(exc).__name__}: {exc} ({where})"}
+        with open(path + ".tmp", "w") as f:  # after every job, so a later hang loses nothing before it
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -> dict:
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    timing = job["timing"]
+    if job["kind"] == "merge_seed":
+        # What DDP does with one bucket: flatten the grads, all-reduce, copy back.
+        torch.manual_seed(rank)
+        grads = [torch.randn_like(p) for p in SeqModel().to(dev).parameters()]
+
+        def fn() -> None:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+    elif job["kind"] == "merge_flat":
+        buf = torch.ones(job["numel"], dtype=getattr(torch, job["dtype"]), device=dev)
+
+        def fn() -> None:
+            dist.all_reduce(buf)
+    elif job["kind"] == "train":
+        k = job["k"]
+        torch.manual_seed(0)
+        model = SeqModel(**job["model"]).to(dev)
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        opt = _adam(model)
+        xs, ys = make_pool(job["pool"], job.get("seed", 0), pin=dev.type == "cuda")
+        feed = Feeder((xs[rank::world], ys[rank::world]))
+
+        def fn() -> None:
+            bx, by = feed.next(k)
+            out = ddp(_to(bx, dev))
+            loss = F.mse_loss(out, torch.stack(by).to(dev, non_blocking=True), reduction="sum")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        t0 = time.perf_counter()
+        for _ in range(len(feed.xs) // k):  # one pass over the shard: warm-up
+            fn()
+        sync()
+        setup_s = time.perf_counter() - t0
+        times = time_loop(fn, sync, warmup=0, agree=agree, **timing)
+        return {"times": times, "setup_s": setup_s}
+    else:
+        raise ValueError(f"unknown DDP job kind {job['kind']!r}")
+    return {"times": time_loop(fn, sync, agree=agree, **timing)}

@@ -1,0 +1,440 @@
+"""Results: the recorder every suite writes into, the DESIGN.md §4 target checks, and the outputs
+(bench-results.json, summary.md, PNG plots). The JSON schema is in the package docstring."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from .timing import stats
+
+SCHEMA_VERSION = 1
+SIZES = {"1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20, "256MB": 256 << 20}
+
+
+class Skip(Exception):
+    """A method that does not apply to this machine: recorded under `skipped` with the reason."""
+
+
+class Task(NamedTuple):
+    section: str  # "merge" or "train": per-section timings
+    key: str      # where errors and skips are recorded, e.g. "merge.seed_model.vlseq"
+    fn: Callable[[], None]
+
+
+class Results:
+    """Nested dict of results; paths are dot-separated ("merge.seed_model.us_per_merge")."""
+
+    def __init__(self, meta: Dict[str, Any]) -> None:
+        self.data: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "meta": meta, "merge": {}, "train": {},
+                                     "targets": {}, "skipped": {}, "errors": {}, "timings_s": {}}
+
+    def node(self, path: str) -> Dict[str, Any]:
+        d = self.data
+        for part in path.split("."):
+            d = d.setdefault(part, {})
+        return d
+
+    def get(self, path: str, default: Any = None) -> Any:
+        v = _lookup(self.data, path)
+        return default if v is None else v
+
+    def set(self, path: str, value: Any) -> None:
+        head, _, last = path.rpartition(".")
+        (self.node(head) if head else self.data)[last] = value
+
+    def record(self, path: str, method: str, values: Sequence[float]) -> None:
+        """path.method <- median (a plain number); path_spread.method <- {median, min, max, n}."""
+        st = stats(values)
+        self.node(path)[method] = st["median"]
+        self.node(path + "_spread")[method] = st
+
+    def dump(self, out_dir: str) -> str:
+        """Writes out_dir/bench-results.json (atomically: a run killed mid-write keeps the last one)."""
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "bench-results.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(_finite(self.data), f, indent=1, default=str, allow_nan=False)
+        os.replace(path + ".tmp", path)
+        return path
+
+    def skip(self, key: str, reason: str) -> None:
+        self.data["skipped"][key] = reason
+
+    def error(self, key: str, exc: "BaseException | str") -> None:
+        if isinstance(exc, str):
+            self.data["errors"][key] = exc
+            return
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+        self.data["errors"][key] = f"{type(exc).__name__}: {exc}{where}"
+
+
+# ------------------------------------------------------------------------------------------------
+# machine description
+def _try(fn: Callable[[], Any], default: Any = None) -> Any:
+    """A machine fact, or `default` when asking fails: describing the machine never stops a run."""
+    try:
+        return fn()
+    except Exception:
+        return default
+
+
+def _driver_version() -> Optional[str]:
+    out = _try(lambda: subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                      capture_output=True, text=True, timeout=20))
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip().splitlines()[0]
+    v = _try(lambda: torch._C._cuda_getDriverVersion())  # CUDA driver API version, e.g. 13000
+    return f"CUDA driver API {v // 1000}.{v % 1000 // 10}" if v else None
+
+
+def collect_meta(devices: Sequence[torch.device], argv: List[str], quick: bool, suite: str) -> Dict[str, Any]:
+    from .. import ops
+    n = _try(lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0, 0)
+    nccl = _try(torch.cuda.nccl.version) if n else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(getattr(sys, "orig_argv", [sys.executable] + argv)),
+        "argv": argv, "quick": quick, "suite": suite,
+        "devices": [str(d) for d in devices], "device_type": devices[0].type, "num_devices": len(devices),
+        "gpu_count": n, "gpu_names": [_try(lambda i=i: torch.cuda.get_device_name(i), "?") for i in range(n)],
+        "peer_access": [[i == j or _try(lambda i=i, j=j: torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
+                        for i in range(n)],
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": _try(torch.backends.cudnn.version),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "driver": _driver_version() if n else None,
+        "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "extension_loaded": ops.has_extension(), "extension_cuda_kernels": ops.has_cuda_kernels(),
+        "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# targets (DESIGN.md §4)
+TARGETS = {
+    "M1": ("merge of seed-model grads, 2 GPUs", "<= 15 us/merge, >= 16x seed-style, >= 3.9x cat+NCCL"),
+    "M2": ("all-reduce of 256 MB fp32, 2 GPUs", ">= 90% of copy-engine P2P bandwidth; faster than torch.cuda.nccl"),
+    "W1": ("train seed model, 1 sample/GPU/step", ">= 1.9x plain one-GPU loop (goal >= 6x)"),
+    "W2": ("train seed model, k=32/GPU", ">= 1.5x DDP; 2 GPUs >= 1.9x our 1-GPU run"),
+}
+
+
+def evaluate_targets(res: Results) -> Dict[str, Any]:
+    meta = res.data["meta"]
+    ddp = "ddp_nccl" if meta["device_type"] == "cuda" else "ddp_gloo"
+    out: Dict[str, Any] = {}
+
+    def check(tid: str, needed: Dict[str, str], tests: Callable[[Dict[str, float]], List[tuple]], primary: str) -> None:
+        workload, target = TARGETS[tid]
+        entry: Dict[str, Any] = {"workload": workload, "target": target, "status": "not run", "ratio": None}
+        out[tid] = entry
+        if meta["device_type"] != "cuda" or meta["num_devices"] < 2:
+            entry["detail"] = f"needs >= 2 CUDA GPUs (this run: {meta['num_devices']} x {meta['device_type']})"
+            return
+        vals = {name: res.get(path) for name, path in needed.items()}
+        missing = [needed[name] for name, v in vals.items() if not v]
+        if missing:
+            entry["detail"] = "missing: " + ", ".join(missing) + " (see errors/skipped)"
+            return
+        def evaluate(vals: Dict[str, float]) -> Dict[str, dict]:
+            return {name: {"value": v, "op": op, "threshold": thr,
+                           "ok": v <= thr if op == "<=" else v >= thr if op == ">=" else v > thr}
+                    for name, v, op, thr in tests(vals)}
+
+        def status(checks: Dict[str, dict]) -> str:
+            return "met" if all(c["ok"] for n_, c in checks.items() if n_ != "goal") else "missed"
+
+        checks = evaluate(vals)
+        entry.update(checks=checks, ratio=checks[primary]["value"], status=status(checks))
+        note = "" if meta["num_devices"] == 2 else f" (measured on {meta['num_devices']} GPUs; the target is for 2)"
+        entry["detail"] = "; ".join(f"{n_} = {_fmt(c['value'])} ({'ok' if c['ok'] else 'no'}: "
+                                    f"{c['op']} {c['threshold']})" for n_, c in checks.items()) + note
+        # The status is for `vlseq` (the defaults); say too how the best of our variants does.
+        path = needed["v"].rpartition(".")[0]
+        variants = {k: v for k, v in (res.get(path) or {}).items() if k.startswith("vlseq_") and k != "vlseq_1gpu"}
+        if variants:
+            best = (min if path.endswith("us_per_merge") else max)(variants, key=variants.get)
+            if (variants[best] < vals["v"]) == path.endswith("us_per_merge"):
+                bc = evaluate(dict(vals, v=variants[best]))
+                entry["best_variant"] = {"method": best, "ratio": bc[primary]["value"], "status": status(bc)}
+                entry["detail"] += f"; best variant {best}: {status(bc)} ({primary} = {_fmt(bc[primary]['value'])})"
+
+    us = "merge.seed_model.us_per_merge."
+    check("M1", {"v": us + "vlseq", "seed": us + "seed_style", "cat": us + "cat_nccl"},
+          lambda v: [("us_per_merge", v["v"], "<=", 15.0), ("x_seed_style", v["seed"] / v["v"], ">=", 16.0),
+                     ("x_cat_nccl", v["cat"] / v["v"], ">=", 3.9)], "x_seed_style")
+    bw = "merge.flat_fp32.256MB.algbw_gbps."
+    check("M2", {"v": bw + "vlseq", "p2p": "merge.p2p_copy_gbps", "nccl": bw + "cat_nccl"},
+          lambda v: [("fraction_of_p2p_copy", v["v"] / v["p2p"], ">=", 0.9),
+                     ("x_cat_nccl", v["v"] / v["nccl"], ">", 1.0)],
+          "fraction_of_p2p_copy")
+    w1 = "train.w1_k1_seed.samples_per_s."
+    check("W1", {"v": w1 + "vlseq", "one": w1 + "one_gpu"},
+          lambda v: [("x_one_gpu", v["v"] / v["one"], ">=", 1.9), ("goal", v["v"] / v["one"], ">=", 6.0)], "x_one_gpu")
+    w2 = "train.w2_k32_seed.samples_per_s."
+    check("W2", {"v": w2 + "vlseq", "ddp": w2 + ddp, "one": w2 + "vlseq_1gpu"},
+          lambda v: [("x_" + ddp, v["v"] / v["ddp"], ">=", 1.5), ("x_vlseq_1gpu", v["v"] / v["one"], ">=", 1.9)],
+          "x_" + ddp)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# outputs
+def _fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    if v == 0 or abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def _spread(sp: Optional[dict]) -> str:
+    return f"{_fmt(sp['min'])}–{_fmt(sp['max'])}" if sp else "-"
+
+
+def _table(header: List[str], rows: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + \
+           ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def markdown(res: Results, plots: Sequence[str] = ()) -> str:
+    d, meta = res.data, res.data["meta"]
+    gpus = f" ({', '.join(sorted(set(meta['gpu_names'])))})" if meta["gpu_names"] else ""
+    L = ["# vlseq_ext benchmark", "",
+         f"- date: {meta['date']}; command: `{meta['command']}`{' (quick)' if meta['quick'] else ''}",
+         f"- devices: {', '.join(meta['devices'])}{gpus}",
+         f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, NCCL {meta['nccl']}, "
+         f"driver {meta['driver']}",
+         "- times: median of the repeats, min–max beside it; synchronized loops, warm-up first", ""]
+    L += ["## Targets (DESIGN.md §4)", ""]
+    L += _table(["id", "workload", "target", "status", "measured"],
+                [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
+                 for tid, t in d["targets"].items()])
+    L += _merge_md(d["merge"]) + _train_md(d["train"])
+    if d["skipped"]:
+        by_reason: Dict[str, List[str]] = {}
+        for k, why in d["skipped"].items():
+            by_reason.setdefault(why, []).append(f"`{k}`")
+        L += ["", "## Skipped", ""] + [f"- {why}: {', '.join(keys)}" for why, keys in by_reason.items()]
+    if d["errors"]:
+        L += ["", "## Errors", ""] + [f"- `{k}`: {v}" for k, v in d["errors"].items()]
+    if d["timings_s"]:
+        L += ["", "Section times: " + ", ".join(f"{k} {v:.1f} s" for k, v in d["timings_s"].items())]
+    if plots:
+        L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(L) + "\n"
+
+
+def _merge_md(m: Dict[str, Any]) -> List[str]:
+    L: List[str] = []
+    seed = m.get("seed_model", {})
+    if seed.get("us_per_merge"):
+        us, sp = seed["us_per_merge"], seed["us_per_merge_spread"]
+        L += ["", f"## Merge: seed-model gradients ({seed['numel']:,} fp32 in {seed['tensors']} tensors per device, "
+                  f"{len(m.get('devices', []))} devices)", "",
+              "Loops of >= 500 merges, no sync inside; every method leaves the sum in every device's grads.", ""]
+        base = {b: us.get(b) for b in ("seed_style", "cat_nccl")}
+        L += _table(["method", "µs/merge", "min–max", "× seed_style", "× cat_nccl"],
+                    [[k, _fmt(v), _spread(sp.get(k))] + [_fmt(base[b] / v) if base[b] and v else "-" for b in base]
+                     for k, v in sorted(us.items(), key=lambda kv: kv[1])])
+    for dt in ("fp32", "bf16"):
+        flat = m.get(f"flat_{dt}", {})
+        sizes = [s for s in SIZES if s in flat]
+        methods = sorted({k for s in sizes for k in flat[s].get("algbw_gbps", {})})
+        if not methods:
+            continue
+        L += ["", f"## Merge: flat {dt} buffers, algorithm bandwidth GB/s (bytes / time; median [min–max])", ""]
+        def cell(s: str, k: str) -> str:
+            bw = flat[s].get("algbw_gbps", {})
+            return f"{_fmt(bw[k])} [{_spread(flat[s]['algbw_gbps_spread'][k])}]" if k in bw else "-"
+        L += _table(["method"] + sizes, [[k] + [cell(s, k) for s in sizes] for k in methods])
+    if m.get("p2p_copy_gbps") is not None:
+        L += ["", f"Copy-engine P2P copy {m.get('p2p_copy_direction', '')}, 256 MB: "
+                  f"**{_fmt(m['p2p_copy_gbps'])} GB/s** [{_spread(m.get('p2p_copy_gbps_spread'))}] "
+                  "(the ceiling for M2)."]
+    return L
+
+
+def _train_md(train: Dict[str, Any]) -> List[str]:
+    L: List[str] = []
+    for wl, w in train.items():
+        if not w.get("samples_per_s"):
+            continue
+        sps, sp = w["samples_per_s"], w["samples_per_s_spread"]
+        ratios = w.get("ratios", {})
+        model = ", ".join(f"{k} {v}" for k, v in w["model"].items() if k != "name")
+        L += ["", f"## Training: {wl} ({w['model']['name']} model{' (' + model + ')' if model else ''}, "
+                  f"{w['params']:,} parameters; {w['k']} sample(s) per device per step; samples/s)", ""]
+        header = ["method", "devices", "samples/s", "min–max"] + [f"× {b[3:]}" for b in ratios] + ["setup s", "note"]
+        L += _table(header, [[k, str(w["num_devices"].get(k, "")), _fmt(v), _spread(sp.get(k))]
+                             + [_fmt(r.get(k)) for r in ratios.values()]
+                             + [_fmt(w.get("setup_s", {}).get(k)), w.get("notes", {}).get(k, "")]
+                             for k, v in sorted(sps.items(), key=lambda kv: kv[1])])
+    return L
+
+
+def plot(res: Results, out_dir: str) -> List[str]:
+    """merge_time.png (log-log time vs size per method) and train_samples_per_s.png (bars with
+    min–max error bars). Returns the file names written; raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    m = res.data["merge"]
+    panels = [dt for dt in ("fp32", "bf16") if any(m.get(f"flat_{dt}", {}).get(s, {}).get("us") for s in SIZES)]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+        for ax, dt in zip(axes[0], panels):
+            flat = m[f"flat_{dt}"]
+            methods = sorted({k for s in flat.values() for k in s.get("us", {})})
+            for k in methods:
+                pts = [(flat[s]["bytes"], flat[s]["us"][k]) for s in SIZES if k in flat.get(s, {}).get("us", {})]
+                ax.plot(*zip(*pts), marker="o", label=k, linestyle="-" if k.startswith("vlseq") else "--")
+            ax.set(xscale="log", yscale="log", xlabel="buffer size (bytes)", ylabel="time per all-reduce (µs)",
+                   title=f"merge of flat {dt} buffers, {len(m.get('devices', []))} devices")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "merge_time.png"), dpi=110)
+        plt.close(fig)
+        written.append("merge_time.png")
+    wls = [(wl, w) for wl, w in res.data["train"].items() if w.get("samples_per_s")]
+    if wls:
+        fig, axes = plt.subplots(1, len(wls), figsize=(4.5 * len(wls), 4.5), squeeze=False)
+        for ax, (wl, w) in zip(axes[0], wls):
+            items = sorted(w["samples_per_s"].items(), key=lambda kv: kv[1])
+            sp = w["samples_per_s_spread"]
+            names = [k for k, _ in items]
+            vals = [v for _, v in items]
+            err = [[v - sp[k]["min"] for k, v in items], [sp[k]["max"] - v for k, v in items]]
+            ax.bar(range(len(vals)), vals, yerr=err, capsize=3,
+                   color=["tab:orange" if k.startswith("vlseq") else "tab:blue" for k in names])
+            ax.set_xticks(range(len(vals)))
+            ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+            ax.set(ylabel="samples/s", title=wl)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "train_samples_per_s.png"), dpi=110)
+        plt.close(fig)
+        written.append("train_samples_per_s.png")
+    return written
+
+
+def write_outputs(res: Results, out_dir: str, log: Callable[[str], None] = print) -> str:
+    """Writes bench-results.json, the plots and summary.md into out_dir; returns the markdown. A
+    failure in the targets, plots or summary is recorded under errors and never costs the JSON."""
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        res.data["targets"] = evaluate_targets(res)
+    except Exception as exc:
+        res.error("targets", exc)
+    plots: List[str] = []
+    try:
+        plots = plot(res, out_dir)
+    except ImportError:
+        log("matplotlib is not installed: skipping the plots (pip install matplotlib, or vlseq_ext[plot])")
+        res.skip("plots", "matplotlib is not installed")
+    except Exception as exc:
+        res.error("plots", exc)
+    try:
+        md = markdown(res, plots)
+    except Exception as exc:
+        res.error("summary", exc)
+        md = f"# vlseq_ext benchmark\n\nThe summary failed ({type(exc).__name__}: {exc}); see bench-results.json.\n"
+    res.dump(out_dir)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def _finite(x: Any) -> Any:
+    """NaN/inf -> None, so the file stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# schema check: usable on any bench-results.json (tests, CI, the GPU run)
+META_KEYS = ("date", "command", "argv", "quick", "suite", "devices", "device_type", "num_devices", "gpu_count",
+             "gpu_names", "peer_access", "torch", "cuda", "driver")
+
+
+def validate(d: Dict[str, Any]) -> List[str]:
+    """Problems with a bench-results.json dict against the schema in the package docstring
+    (empty list: valid). Checks structure and that every measurement is a positive number with a
+    consistent {median, min, max, n} spread beside it."""
+    bad: List[str] = []
+
+    def metric(path: str, node: Any) -> None:
+        """node: {method: number}; with node_spread beside it."""
+        if not isinstance(node, dict):
+            bad.append(f"{path}: expected a dict of method -> number")
+            return
+        head, _, last = path.rpartition(".")
+        spread = _lookup(d, head + "." + last + "_spread") or {}
+        for m, v in node.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                bad.append(f"{path}.{m}: expected a positive number, got {v!r}")
+            sp = spread.get(m)
+            if not isinstance(sp, dict) or set(sp) != {"median", "min", "max", "n"}:
+                bad.append(f"{path}_spread.{m}: expected {{median, min, max, n}}, got {sp!r}")
+            elif not (sp["min"] <= sp["median"] <= sp["max"] and sp["n"] >= 1 and sp["median"] == v):
+                bad.append(f"{path}_spread.{m}: inconsistent {sp} for median {v}")
+
+    for key in ("schema_version", "meta", "merge", "train", "targets", "skipped", "errors", "timings_s"):
+        if key not in d:
+            bad.append(f"missing top-level key {key!r}")
+    if bad:
+        return bad
+    if d["schema_version"] != SCHEMA_VERSION:
+        bad.append(f"schema_version is {d['schema_version']!r}, expected {SCHEMA_VERSION}")
+    bad += [f"meta.{k} missing" for k in META_KEYS if k not in d["meta"]]
+    m = d["merge"]
+    if "seed_model" in m and "us_per_merge" in m["seed_model"]:
+        metric("merge.seed_model.us_per_merge", m["seed_model"]["us_per_merge"])
+    for dt in ("flat_fp32", "flat_bf16"):
+        for size, node in m.get(dt, {}).items():
+            if size not in SIZES:
+                bad.append(f"merge.{dt}.{size}: unknown size (expected one of {list(SIZES)})")
+                continue
+            for k in ("algbw_gbps", "us"):
+                if k in node:
+                    metric(f"merge.{dt}.{size}.{k}", node[k])
+    if "p2p_copy_gbps" in m and not (isinstance(m["p2p_copy_gbps"], (int, float)) and m["p2p_copy_gbps"] > 0):
+        bad.append(f"merge.p2p_copy_gbps: expected a positive number, got {m['p2p_copy_gbps']!r}")
+    for wl, w in d["train"].items():
+        if "samples_per_s" in w:
+            metric(f"train.{wl}.samples_per_s", w["samples_per_s"])
+        for base, ratios in w.get("ratios", {}).items():
+            if not base.startswith("vs_") or not all(isinstance(v, (int, float)) for v in ratios.values()):
+                bad.append(f"train.{wl}.ratios.{base}: expected vs_<baseline>: {{method: number}}")
+    for tid, t in d["targets"].items():
+        if t.get("status") not in ("met", "missed", "not run"):
+            bad.append(f"targets.{tid}.status: {t.get('status')!r}")
+    for k in ("skipped", "errors"):
+        if not all(isinstance(v, str) for v in d[k].values()):
+            bad.append(f"{k}: values must be strings")
+    return bad
+
+
+def _lookup(d: Dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d

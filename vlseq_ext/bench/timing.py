@@ -1,0 +1,93 @@
+"""The one timing helper every benchmark uses: warm-up, calibration, synchronized repeats.
+
+Timing is by synchronized loops: synchronize every device involved, run `fn` `iters` times with
+no synchronization inside the loop, synchronize again; the time per call is the wall time over
+`iters`. For multi-device work this is what a training loop sees (it includes host overhead and
+cross-device waits), and a loop of many calls hides the cost of the two syncs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+Stat = Dict[str, float]
+
+
+def stats(values: Sequence[float]) -> Stat:
+    """{median, min, max, n} of the repeats."""
+    vals = [float(v) for v in values]
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def synchronizer(devices: Sequence[torch.device]) -> Callable[[], None]:
+    """A function that waits for all queued work on every CUDA device of `devices` (no-op on CPU)."""
+    cuda = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
+
+    def sync() -> None:
+        for i in cuda:
+            torch.cuda.synchronize(i)
+
+    return sync
+
+
+def time_loop(fn: Callable[[], object], sync: Callable[[], None], *, repeats: int = 5, warmup: int = 2,
+              iters: Optional[int] = None, target_s: float = 0.2, min_iters: int = 1, max_iters: int = 100_000,
+              agree: Optional[Callable[[int], int]] = None) -> List[float]:
+    """Seconds per call of `fn`, one value per repeat.
+
+    `warmup` untimed calls first. Unless `iters` is given, a calibration (doubling batches until one
+    takes >= target_s/8) picks `iters` so that one repeat lasts about `target_s`, clamped to
+    [min_iters, max_iters]. `agree(n)` must return the max of n over all processes that run `fn`
+    together (collectives inside fn): they then take the same calibration and loop counts.
+    """
+    for _ in range(warmup):
+        fn()
+    sync()
+    if iters is None:
+        n = 1
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            dt = time.perf_counter() - t0
+            per = dt / n
+            more = int(dt < target_s / 8 and n < max_iters)
+            if not (agree(more) if agree is not None else more):
+                break
+            n *= 2
+        iters = int(min(max(target_s / max(per, 1e-9), min_iters), max_iters))
+    if agree is not None:
+        iters = int(agree(iters))
+    out: List[float] = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / iters)
+    return out
+
+
+@dataclass
+class Budget:
+    """Repeat counts and per-repeat durations: the knobs that set how long a run takes."""
+    quick: bool
+    merge_repeats: int
+    train_repeats: int
+    seed_target_s: float   # per repeat of the seed-model merge loop (at least `seed_merges` merges)
+    flat_target_s: float   # per repeat of a flat-buffer all-reduce loop
+    train_target_s: float  # per repeat of a training loop
+    seed_merges: int = 500
+
+    @classmethod
+    def make(cls, quick: bool, repeats: Optional[int] = None) -> "Budget":
+        b = cls(True, 5, 3, 0.02, 0.02, 0.2) if quick else cls(False, 7, 5, 0.1, 0.05, 0.8)
+        if repeats:
+            b.merge_repeats = b.train_repeats = repeats
+        return b
