@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build, GPU tests and the full benchmark on a CUDA machine, logs under $OUT (default ./gpu-run).
+#   bash benchmarks/run_on_gpu.sh tests   # build + every GPU-marked test + a vlseq-train run
+#   bash benchmarks/run_on_gpu.sh bench   # build + python -m vlseq_ext.bench (full)
+#   bash benchmarks/run_on_gpu.sh all
+set -u
+OUT=${OUT:-$PWD/gpu-run}
+PY=${PYTHON:-python3}
+part=${1:-all}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$OUT/gpus.txt" 2>&1
+if ! $PY -c "import vlseq_ext._C" 2>/dev/null; then
+  $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+rc=0
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  $PY -m pytest -q -p no:cacheprovider -m "requires_cuda or requires_2gpu" tests/ > "$OUT/gpu-tests.log" 2>&1 || rc=1
+  tail -15 "$OUT/gpu-tests.log"
+  $PY -m vlseq_ext --devices all --max-steps 600 --quiet --checkpoint-dir "$OUT/train-run" \
+    --metrics "$OUT/train-metrics.jsonl" --plot "$OUT/train-loss.png" > "$OUT/train.log" 2>&1 || rc=1
+  tail -20 "$OUT/train.log"
+fi
+if [ "$part" = bench ] || [ "$part" = all ]; then
+  $PY -m vlseq_ext.bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || rc=1
+  tail -80 "$OUT/bench.log"
+fi
+exit $rc
