@@ -15,7 +15,9 @@ if ! $PY -c "import vlseq_ext._C" 2>/dev/null; then
 fi
 rc=0
 if [ "$part" = tests ] || [ "$part" = all ]; then
-  $PY -m pytest -q -p no:cacheprovider -m "requires_cuda or requires_2gpu" tests/ > "$OUT/gpu-tests.log" 2>&1 || rc=1
+  # pytest-xdist, when present: parallel workers, and a crashing test loses one worker, not the run.
+  xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-6}")
+  $PY -m pytest -q -p no:cacheprovider $xdist -m "requires_cuda or requires_2gpu" tests/ > "$OUT/gpu-tests.log" 2>&1 || rc=1
   tail -15 "$OUT/gpu-tests.log"
   $PY -m vlseq_ext --devices all --max-steps 600 --quiet --checkpoint-dir "$OUT/train-run" \
     --metrics "$OUT/train-metrics.jsonl" --plot "$OUT/train-loss.png" > "$OUT/train.log" 2>&1 || rc=1

@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'all' (every visible GPU, or the CPU when there is none), 'cuda:0,cuda:1', 'cpu', or "
                         f"'cpu:N' for N CPU replicas (default: {d['devices']})")
     g.add_argument("--samples-per-device", type=int, metavar="K",
-                   help=f"samples per device per step, run as one packed batch (default: {d['samples_per_device']}, "
-                        "the seed's one sample per GPU)")
+                   help=f"samples per device per step: CUDA-graph replays of one sample each on GPUs, one packed "
+                        f"batch on CPU; same gradient either way (default: {d['samples_per_device']}, the seed's one "
+                        "sample per GPU)")
     g.add_argument("--epochs", type=int, metavar="N",
                    help=f"passes over the training set (default: {d['epochs']}; unlimited when only --max-steps "
                         "is given)")
