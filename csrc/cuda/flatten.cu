@@ -5,13 +5,12 @@
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <vector>
 
 #include "vlseq/dtypes.h"
 #include "vlseq/multi_tensor.cuh"
-#include "vlseq/validate.h"
+#include "entry.h"
 
 namespace vlseq {
 namespace {
@@ -157,9 +156,10 @@ void launch_flatten(Groups& groups, const at::Tensor& flat, double scale) {
   }
 }
 
-void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, at::Tensor out,
-                  double scale) {
-  check_flatten(tensors, numels, out);
+}  // namespace
+
+void flatten_run(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, const at::Tensor& out,
+                 double scale) {
   c10::cuda::CUDAGuard guard(out.device());
   std::vector<at::Tensor> keep;  // contiguous copies of strided inputs, alive until launched
   Groups groups;
@@ -184,8 +184,7 @@ void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntAr
   launch_flatten<true>(groups, out, scale);
 }
 
-void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  check_unflatten(flat, tensors);
+void unflatten_run(const at::Tensor& flat, at::TensorList tensors, double scale) {
   c10::cuda::CUDAGuard guard(flat.device());
   std::vector<std::pair<at::Tensor, at::Tensor>> strided;  // (destination, contiguous temporary)
   Groups groups;
@@ -208,10 +207,4 @@ void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale
   for (auto& [t, tmp] : strided) t.copy_(tmp);
 }
 
-}  // namespace
 }  // namespace vlseq
-
-TORCH_LIBRARY_IMPL(vlseq_ext, CUDA, m) {
-  m.impl("flatten_", &vlseq::flatten_cuda);
-  m.impl("unflatten_", &vlseq::unflatten_cuda);
-}

@@ -41,7 +41,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <cstdlib>
 #include <mutex>
@@ -53,12 +52,12 @@
 #include "vlseq/algo.h"
 #include "vlseq/dtypes.h"
 #include "vlseq/multi_tensor.cuh"
-#include "vlseq/validate.h"
+#include "entry.h"
 
 namespace vlseq {
 namespace {
 
-constexpr int kMaxRanks = 8;
+
 constexpr int kThreads = 512;
 constexpr int kBlocksPerSm = 4;
 constexpr int kInlineSegments = 16;
@@ -378,19 +377,15 @@ void flat_all_reduce(const std::vector<at::Tensor>& bufs, Algo algo, bool divide
   }
 }
 
-void check_rank_count(const char* op, size_t n) {
-  TORCH_CHECK(n <= static_cast<size_t>(kMaxRanks), op, ": at most ", kMaxRanks, " devices are supported, got ", n);
-}
+}  // namespace
 
-void all_reduce_cuda(at::TensorList buffers, c10::string_view op, c10::string_view algo) {
-  check_device_buffers("all_reduce_", "buffers", buffers);
-  check_rank_count("all_reduce_", buffers.size());
-  const bool mean = parse_reduce_op("all_reduce_", std::string(op));
-  const Algo a = parse_algo("all_reduce_", std::string(algo));
+void all_reduce_run(at::TensorList buffers, bool mean, Algo algo) {
   if (buffers.size() == 1) return;  // sum or mean of one buffer is the buffer
   std::lock_guard<std::mutex> lock(peer::op_mutex());
-  flat_all_reduce(buffers.vec(), a, mean, 1.0);
+  flat_all_reduce(buffers.vec(), algo, mean, 1.0);
 }
+
+namespace {
 
 // Without peer access: per dtype, concatenate every device's tensors, copy-engine all-reduce
 // (same order and epilogue, hence the same bits), copy back.
@@ -433,12 +428,10 @@ std::vector<Job> list_jobs(at::TensorList tensors, int N, int64_t P, int ndst, i
   return jobs;
 }
 
-void all_reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double scale, c10::string_view algo) {
-  const int64_t P = check_device_lists("all_reduce_tensors_", tensors, num_devices);
-  check_rank_count("all_reduce_tensors_", num_devices);
-  Algo a = parse_algo("all_reduce_tensors_", std::string(algo));
-  TORCH_CHECK(a != Algo::kOneShot, "all_reduce_tensors_: algo one_shot is for flat buffers (all_reduce_); "
-              "use auto, root, two_shot or copy_engine");
+}  // namespace
+
+void all_reduce_tensors_run(at::TensorList tensors, int64_t num_devices, double scale, Algo a) {
+  const int64_t P = static_cast<int64_t>(tensors.size()) / num_devices;
   const int N = static_cast<int>(num_devices);
   std::vector<int> devs;
   for (int d = 0; d < N; ++d) devs.push_back(tensors[d * P].get_device());
@@ -461,9 +454,8 @@ void all_reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double
   all_reduce_jobs(jobs, devs, a, false, scale, guard);
 }
 
-void reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others) {
-  const int64_t P = check_device_lists("reduce_tensors_", tensors, num_devices);
-  check_rank_count("reduce_tensors_", num_devices);
+void reduce_tensors_run(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others) {
+  const int64_t P = static_cast<int64_t>(tensors.size()) / num_devices;
   const int N = static_cast<int>(num_devices);
   std::vector<int> devs;
   for (int d = 0; d < N; ++d) devs.push_back(tensors[d * P].get_device());
@@ -490,7 +482,7 @@ void reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double sca
 }
 
 // Copies srcs (on the root device) into each destination list; protocol in the file comment.
-void broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts) {
+void broadcast_run(const char* op, at::TensorList srcs, at::TensorList dsts) {
   const int64_t P = static_cast<int64_t>(srcs.size());
   const int64_t lists = static_cast<int64_t>(dsts.size()) / P;
   const int root = srcs[0].get_device();
@@ -533,20 +525,7 @@ void broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts) {
   peer::release(root, devs, guard);
 }
 
-void broadcast_cuda(const at::Tensor& src, at::TensorList dsts) {
-  TORCH_CHECK(src.defined(), "broadcast_: src is undefined");
-  check_broadcast_lists("broadcast_", {src}, dsts);
-  check_device_buffers("broadcast_", "dsts", dsts);
-  broadcast_lists("broadcast_", {src}, dsts);
-}
-
-void broadcast_tensors_cuda(at::TensorList srcs, at::TensorList dsts) {
-  check_broadcast_lists("broadcast_tensors_", srcs, dsts);
-  broadcast_lists("broadcast_tensors_", srcs, dsts);
-}
-
-std::string p2p_status_cuda(at::TensorList buffers) {
-  check_device_buffers("p2p_status", "buffers", buffers);
+std::string p2p_status_run(at::TensorList buffers) {
   if (buffers.size() == 1) return "single";
   std::string why;
   std::lock_guard<std::mutex> lock(peer::op_mutex());
@@ -554,14 +533,4 @@ std::string p2p_status_cuda(at::TensorList buffers) {
   return "copy_engine: " + why;
 }
 
-}  // namespace
 }  // namespace vlseq
-
-TORCH_LIBRARY_IMPL(vlseq_ext, CUDA, m) {
-  m.impl("all_reduce_", &vlseq::all_reduce_cuda);
-  m.impl("all_reduce_tensors_", &vlseq::all_reduce_tensors_cuda);
-  m.impl("reduce_tensors_", &vlseq::reduce_tensors_cuda);
-  m.impl("broadcast_", &vlseq::broadcast_cuda);
-  m.impl("broadcast_tensors_", &vlseq::broadcast_tensors_cuda);
-  m.impl("p2p_status", &vlseq::p2p_status_cuda);
-}

@@ -1,0 +1,77 @@
+// CUDA entry points of the ops: input checks, then the implementations in csrc/cuda/*.cu
+// (see entry.h for why the split is here).
+#include <torch/library.h>
+
+#include "entry.h"
+#include "vlseq/validate.h"
+
+namespace vlseq {
+namespace {
+
+void check_rank_count(const char* op, size_t n) {
+  TORCH_CHECK(n <= static_cast<size_t>(kMaxRanks), op, ": at most ", kMaxRanks, " devices are supported, got ", n);
+}
+
+void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, at::Tensor out,
+                  double scale) {
+  check_flatten(tensors, numels, out);
+  flatten_run(tensors, numels, out, scale);
+}
+
+void unflatten_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
+  check_unflatten(flat, tensors);
+  unflatten_run(flat, tensors, scale);
+}
+
+void all_reduce_cuda(at::TensorList buffers, c10::string_view op, c10::string_view algo) {
+  check_device_buffers("all_reduce_", "buffers", buffers);
+  check_rank_count("all_reduce_", buffers.size());
+  const bool mean = parse_reduce_op("all_reduce_", std::string(op));
+  all_reduce_run(buffers, mean, parse_algo("all_reduce_", std::string(algo)));
+}
+
+void all_reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double scale, c10::string_view algo) {
+  check_device_lists("all_reduce_tensors_", tensors, num_devices);
+  check_rank_count("all_reduce_tensors_", num_devices);
+  const Algo a = parse_algo("all_reduce_tensors_", std::string(algo));
+  TORCH_CHECK(a != Algo::kOneShot, "all_reduce_tensors_: algo one_shot is for flat buffers (all_reduce_); "
+              "use auto, root, two_shot or copy_engine");
+  all_reduce_tensors_run(tensors, num_devices, scale, a);
+}
+
+void reduce_tensors_cuda(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others) {
+  check_device_lists("reduce_tensors_", tensors, num_devices);
+  check_rank_count("reduce_tensors_", num_devices);
+  reduce_tensors_run(tensors, num_devices, scale, zero_others);
+}
+
+void broadcast_cuda(const at::Tensor& src, at::TensorList dsts) {
+  TORCH_CHECK(src.defined(), "broadcast_: src is undefined");
+  check_broadcast_lists("broadcast_", {src}, dsts);
+  check_device_buffers("broadcast_", "dsts", dsts);
+  broadcast_run("broadcast_", {src}, dsts);
+}
+
+void broadcast_tensors_cuda(at::TensorList srcs, at::TensorList dsts) {
+  check_broadcast_lists("broadcast_tensors_", srcs, dsts);
+  broadcast_run("broadcast_tensors_", srcs, dsts);
+}
+
+std::string p2p_status_cuda(at::TensorList buffers) {
+  check_device_buffers("p2p_status", "buffers", buffers);
+  return p2p_status_run(buffers);
+}
+
+}  // namespace
+}  // namespace vlseq
+
+TORCH_LIBRARY_IMPL(vlseq_ext, CUDA, m) {
+  m.impl("flatten_", &vlseq::flatten_cuda);
+  m.impl("unflatten_", &vlseq::unflatten_cuda);
+  m.impl("all_reduce_", &vlseq::all_reduce_cuda);
+  m.impl("all_reduce_tensors_", &vlseq::all_reduce_tensors_cuda);
+  m.impl("reduce_tensors_", &vlseq::reduce_tensors_cuda);
+  m.impl("broadcast_", &vlseq::broadcast_cuda);
+  m.impl("broadcast_tensors_", &vlseq::broadcast_tensors_cuda);
+  m.impl("p2p_status", &vlseq::p2p_status_cuda);
+}
