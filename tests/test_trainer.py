@@ -325,23 +325,38 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def gpu_reference_grads(model: nn.Module, xs, ys, reduction: str):
+    """The same per-sample passes in fp32 on cuda:0, eager: what a single GPU computes."""
+    ref = copy.deepcopy(model).cuda(0)
+    ref.zero_grad(set_to_none=True)
+    for x, y in zip(xs, ys):
+        loss = nn.MSELoss()(ref(x.cuda(0)), y.cuda(0).reshape(1, -1))
+        (loss / (len(xs) if reduction == "mean" else 1)).backward()
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double().cpu() for n, p in ref.named_parameters()}
+
+
 @requires_2gpu
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("model_name", ["seed", "bigru2", "unused_param", "buffer"])
 def test_gpu_gradients_match_reference(model_name, graphs, k, reduction, no_tf32):
+    """Against float64: cuDNN's fp32 RNN backward alone reaches ~1e-5 relative error (seen on
+    H200), so 3e-5 there; against the same passes in fp32 on one GPU, where only our merge and
+    the graph replays differ, 5e-6."""
     gen = torch.Generator().manual_seed(17 * k)
-    model = MODELS[model_name]().cuda(0)
-    xs, ys = make_batch(2 * k, out_dim(model.cpu()), gen)
+    model = MODELS[model_name]()
+    xs, ys = make_batch(2 * k, out_dim(model), gen)
     ref, ref_loss = reference_grads(model, xs, ys, reduction)
+    ref32 = gpu_reference_grads(model, xs, ys, reduction)
     model.cuda(0)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(),
                               devices=["cuda:0", "cuda:1"], samples_per_device=k, reduction=reduction,
                               cuda_graphs=graphs)
     for _ in range(2):  # the second pass replays the graphs captured by the first
         loss = trainer.compute_gradients(xs, ys)
-    assert_grads_match(model, ref)
+    assert_grads_match(model, ref, rtol=3e-5)
+    assert_grads_match(model, ref32, rtol=5e-6)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
 
 
