@@ -9,7 +9,9 @@ namespace vlseq {
 namespace {
 
 void check_rank_count(const char* op, size_t n) {
-  TORCH_CHECK(n <= static_cast<size_t>(kMaxRanks), op, ": at most ", kMaxRanks, " devices are supported, got ", n);
+  // Numbers as strings: see validate.cpp.
+  TORCH_CHECK(n <= static_cast<size_t>(kMaxRanks), op, ": at most ", std::to_string(kMaxRanks),
+              " devices are supported, got ", std::to_string(n));
 }
 
 void flatten_cuda(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, at::Tensor out,
