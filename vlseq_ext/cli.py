@@ -41,7 +41,7 @@ except ImportError:  # an editable install that maps vlseq_ext as a namespace pa
 from .checkpoint import CHECKPOINT_NAME, capture_rng_state, find_checkpoint, load_checkpoint, restore_rng_state, \
     save_checkpoint
 from . import distributed
-from .data import BUILTIN, DataError, LengthBucketSampler, RaggedDataset, open_dataset, split
+from .data import BUILTIN, DataError, RaggedDataset, open_dataset, split
 from .distributed import DistributedError, DistributedLengthSampler
 from .models import SeqModel
 from .trainer import ParallelTrainer
@@ -866,7 +866,8 @@ def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Option
 def _start_distributed() -> bool:
     """[distributed] Under torchrun (WORLD_SIZE > 1): initialise the default process group, gloo for
     CPU tensors and NCCL for CUDA ones, with the VLSEQ_DIST_TIMEOUT timeout. True when this call did."""
-    if distributed.env_world_size() == 1 or torch.distributed.is_initialized():
+    if (distributed.env_world_size() == 1 or not torch.distributed.is_available()
+            or torch.distributed.is_initialized()):
         return False
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     return distributed.init_from_env(backend)

@@ -152,6 +152,9 @@ class ParallelTrainer:
                     raise ValueError("the optimizer holds a parameter that is not one of the model's; "
                                      "build it over model.parameters()")
 
+        if devices is None:  # [distributed] several processes per machine: this process's share of the GPUs
+            from .distributed import default_local_devices
+            devices = default_local_devices()
         self.devices = parse_devices(devices)
         master_dev = params[0].device
         if any(p.device != master_dev for p in params):
@@ -208,9 +211,13 @@ class ParallelTrainer:
         from .distributed import CrossProcessMerge
         # Across processes: the master's merged gradient and loss, summed over every rank.
         self.cross_process = CrossProcessMerge.create(process_group, self._static_grads[self.master_index],
-                                                      self.loss_acc[self.master_index])
+                                                      self.loss_acc[self.master_index],
+                                                      samples_per_step=self.samples_per_step)
         if self.cross_process is not None:
             self.cross_process.broadcast_from_rank0(params + list(model.buffers()))
+        # [distributed] this process's rank and the number of processes (0 and 1 when alone).
+        self.rank = self.cross_process.rank if self.cross_process is not None else 0
+        self.world_size = self.cross_process.world_size if self.cross_process is not None else 1
 
         self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
         self.graph_caches: List[Optional[GraphCache]] = [None] * len(self.devices)
@@ -265,7 +272,7 @@ class ParallelTrainer:
         """Normalises and checks one step's input before any work, so bad input changes nothing."""
         if isinstance(samples, Tensor) or not isinstance(samples, (list, tuple)):
             raise ValueError("samples must be a list of (L, D) tensors")
-        if len(samples) == 0:
+        if len(samples) == 0 and self.cross_process is None:  # [distributed] a rank may have none in a tail step
             raise ValueError("empty step: no samples")
         if isinstance(targets, Tensor):
             targets = list(targets) if targets.dim() > 0 and targets.shape[0] == len(samples) else [targets]
@@ -377,9 +384,11 @@ class ParallelTrainer:
             self._merge(self._window_samples)
             self._micro_step = self._window_samples = 0
             self._optimizer_step()
-        return loss / len(xs) if self.reduction == "mean" else loss
+        return loss / max(len(xs), 1) if self.reduction == "mean" else loss
 
     def _forward_backward(self, xs: List[Tensor], ys: List[Tensor]) -> None:
+        if not xs:  # [distributed] no sample on this rank this step: it only joins the merge
+            return
         for r in self.replicas:
             if r.training != self.model.training:
                 r.train(self.model.training)
@@ -407,12 +416,22 @@ class ParallelTrainer:
         return torch.cuda.device(self.devices[d]) if self.is_cuda else contextlib.nullcontext()
 
     def _packs(self, xs: List[Tensor]) -> bool:
-        """Whether k samples per device run as one packed batch. "auto" packs only without CUDA
-        graphs: with them, k graph replays per device beat one packed pass, whose cuDNN kernels
-        are launched per time step (BENCHMARKS.md, W2)."""
+        """Whether k samples per device run as one packed batch (same gradient either way). "auto":
+        without CUDA graphs, pack; with them, replay one graph per sample for narrow RNNs and pack
+        wide ones. Measured on one H200 at k=32 (BENCHMARKS.md, W2): LSTM 36->64, per-sample
+        graphs 2,547 samples/s vs packed 1,681; 2-layer LSTM of width 512, packed 725 vs graphs
+        216. The crossover width (256) lies between the two measured models."""
         if self.pack == "auto":
-            return not self.cuda_graphs and self._model_accepts_list(xs)
+            if self.cuda_graphs and self._recurrent_width() < 256:
+                return False
+            return self._model_accepts_list(xs)
         return bool(self.pack) and self._model_accepts_list(xs)
+
+    def _recurrent_width(self) -> int:
+        """hidden size x layers x directions of the model's widest recurrent module (0 if none)."""
+        widths = [m.hidden_size * m.num_layers * (2 if m.bidirectional else 1)
+                  for m in self.model.modules() if isinstance(m, nn.RNNBase)]
+        return max(widths, default=0)
 
     def _merge(self, n: int) -> Tensor:
         """Master grads <- sum of every replica's (scaled for "mean"), replicas zeroed; the loss
@@ -577,7 +596,10 @@ class ParallelTrainer:
         (x of shape (L, D), or (1, L, D) from a DataLoader with batch_size=1). Consecutive samples
         form steps of samples_per_step; the last step of an epoch may be short. Returns one dict
         per epoch: loss (per-sample mean), samples, steps, samples_per_s, skipped_steps and, with
-        val_data, val_loss."""
+        val_data, val_loss. [distributed] With several processes, every rank must pass the same data
+        in the same order: consecutive samples form global steps of world_size x samples_per_step,
+        each rank trains on its longest-first share (vlseq_ext.distributed.lpt_shard), and the
+        records count the global samples."""
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         history: List[Dict[str, float]] = []
@@ -595,7 +617,7 @@ class ParallelTrainer:
             stop = False
             for item in it:
                 batch.append(item)
-                if len(batch) == self.samples_per_step:
+                if len(batch) == self.samples_per_step * self.world_size:  # [distributed] a global step
                     total += self._fit_step(batch)
                     n, steps, batch = n + len(batch), steps + 1, []
                     if max_steps is not None and steps_done + steps >= max_steps:
@@ -622,7 +644,12 @@ class ParallelTrainer:
         return history
 
     def _fit_step(self, batch: List[Tuple[Any, Any]]) -> Tensor:
-        xs = [b[0] for b in batch]
-        ys = [b[1] for b in batch]
-        loss = self.step(xs, ys)
+        mine = batch
+        if self.cross_process is not None:  # [distributed] this rank's longest-first share of the global step
+            from .distributed import sample_length
+            mine = [batch[i] for i in self.cross_process.shard([sample_length(b[0]) for b in batch],
+                                                               self.samples_per_device, len(self.devices))]
+        xs = [b[0] for b in mine]
+        ys = [b[1] for b in mine]
+        loss = self.step(xs, ys)  # the global loss: sum, or mean over the global step
         return loss * len(batch) if self.reduction == "mean" else loss
