@@ -159,12 +159,4 @@ void release(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuar
   }
 }
 
-void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard) {
-  if (waiter == producer) return;
-  guard.set_index(static_cast<c10::DeviceIndex>(producer));
-  C10_CUDA_CHECK(cudaEventRecord(device_event(producer), c10::cuda::getCurrentCUDAStream(producer)));
-  guard.set_index(static_cast<c10::DeviceIndex>(waiter));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(waiter), device_event(producer), 0));
-}
-
 }  // namespace vlseq::peer

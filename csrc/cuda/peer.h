@@ -33,7 +33,4 @@ void gather(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard
 // Every other device's current stream waits for the work queued so far on `root`'s stream.
 void release(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard);
 
-// `waiter`'s current stream waits for work queued so far on `producer`'s current stream.
-void wait_for(int waiter, int producer, c10::cuda::OptionalCUDAGuard& guard);
-
 }  // namespace vlseq::peer

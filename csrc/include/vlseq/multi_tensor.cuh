@@ -42,11 +42,6 @@ struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Vec {
   T v[N];
 };
 
-template <typename T, int N>
-constexpr int64_t vec_alignment() {
-  return sizeof(T) * N > 16 ? 16 : sizeof(T) * N;
-}
-
 inline bool is_aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <typename Seg, int kCap>
