@@ -11,6 +11,8 @@ import copy
 
 import pytest
 import torch
+
+from helpers import assert_same_bits, bits
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,18 +25,6 @@ MODELS = {
     "lstm": lambda: SeqModel(),
     "gru2bi": lambda: SeqModel(rnn="gru", num_layers=2, bidirectional=True, hidden_dim=16),
 }
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    itype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(itype)
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = actual.reshape(-1), expected.to(actual.device).reshape(-1)
-    diff = (bits(a) != bits(e)).nonzero().reshape(-1)
-    assert diff.numel() == 0, f"{what}: {diff.numel()} of {a.numel()} elements differ"
 
 
 def make_replicas(rand, kind: str, devices):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vlseq_ext import ops, reference
+
+from helpers import assert_same_bits, bits, dname, raises_matching
 from vlseq_ext.models import SeqModel
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
@@ -38,53 +39,9 @@ def poisoned(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((n,), float("nan"), dtype=dtype, device=device)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of a tensor's bytes, for bit-exact comparisons (-0.0 != +0.0, NaN == NaN)."""
-    itype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(itype)
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = actual.reshape(-1), expected.to(actual.device).reshape(-1)
-    diff = (bits(a) != bits(e)).nonzero().reshape(-1)
-    assert diff.numel() == 0, f"{what}: {diff.numel()} elements changed/differ, first at flat index {diff[0].item()}"
-
-
 def exact(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
     # rtol=0, atol=0: same conversion rule on both sides, see the module docstring.
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{msg}\n{m}" if msg else m)
-
-
-def dname(dtype: torch.dtype) -> str:
-    return str(dtype)[6:]
-
-
-class raises_matching:
-    """pytest.raises(exc, match=...), except that a message that does not match is shown cut to 300
-    characters (the dispatcher's "no tensor arguments" message runs to several kilobytes)."""
-
-    def __init__(self, exc, match: str) -> None:
-        self.exc, self.match = exc, match
-
-    def __enter__(self) -> "raises_matching":
-        return self
-
-    def __exit__(self, etype, value, tb) -> bool:
-        if etype is None:
-            pytest.fail(f"DID NOT RAISE {self.exc}")
-        if not issubclass(etype, self.exc):
-            return False
-        msg = str(value)
-        if not re.search(self.match, msg):
-            raise AssertionError(f"{etype.__name__} raised, but its message does not match {self.match!r}:\n"
-                                 f"{msg[:300]}") from None
-        return True
-
-
-# --------------------------------------------------------------------------------------------
-# flatten against the reference
-# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scale", [1.0, -0.37])

@@ -26,6 +26,8 @@ import torch
 
 from vlseq_ext import ops, reference
 
+from helpers import assert_same_bits, bits, dname, raises_matching
+
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -66,48 +68,6 @@ REDUCE_OPS = ["sum", "mean"]
 # unit roundoff of each dtype and its smallest positive (subnormal) value
 UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 TINY = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133, torch.float32: 2.0**-149, torch.float64: 0.0}
-
-
-def dname(dtype: torch.dtype) -> str:
-    return str(dtype)[6:]
-
-
-class raises_matching:
-    """pytest.raises(exc, match=...), except that a message that does not match is shown cut to 300
-    characters (the dispatcher's "no tensor arguments" message runs to several kilobytes)."""
-
-    def __init__(self, exc, match: str) -> None:
-        self.exc, self.match = exc, match
-
-    def __enter__(self) -> "raises_matching":
-        return self
-
-    def __exit__(self, etype, value, tb) -> bool:
-        if etype is None:
-            pytest.fail(f"DID NOT RAISE {self.exc}")
-        if not issubclass(etype, self.exc):
-            return False
-        msg = str(value)
-        if not re.search(self.match, msg):
-            raise AssertionError(f"{etype.__name__} raised, but its message does not match {self.match!r}:\n"
-                                 f"{msg[:300]}") from None
-        return True
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    itype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(itype)
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
-        f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
-    a, e = actual.reshape(-1), expected.to(actual.device).reshape(-1)
-    diff = (bits(a) != bits(e)).nonzero().reshape(-1)
-    if diff.numel():
-        k = diff[0].item()
-        raise AssertionError(f"{what}: {diff.numel()} of {a.numel()} elements differ, first at flat index {k}: "
-                             f"{a[k].item()!r} vs {e[k].item()!r}")
 
 
 def assert_near_float64(result: torch.Tensor, inputs, divide: bool = False, scale: float = 1.0, what: str = "") -> None:
