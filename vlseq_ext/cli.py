@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -896,6 +897,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     finally:
         if started and torch.distributed.is_initialized():
+            gc.collect()  # the finished run's trainer first (see distributed._close_at_exit), then the group
             torch.distributed.destroy_process_group()
 
 
