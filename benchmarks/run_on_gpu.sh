@@ -2,6 +2,7 @@
 # Build, GPU tests and the full benchmark on a CUDA machine, logs under $OUT (default ./gpu-run).
 #   bash benchmarks/run_on_gpu.sh tests   # build + every GPU-marked test + a vlseq-train run
 #   bash benchmarks/run_on_gpu.sh bench   # build + python -m vlseq_ext.bench (full)
+#   bash benchmarks/run_on_gpu.sh dist    # build + 2 processes x 1 GPU (NCCL) vs 1 process x 2 GPUs
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -22,6 +23,10 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   $PY -m vlseq_ext --devices all --max-steps 600 --quiet --checkpoint-dir "$OUT/train-run" \
     --metrics "$OUT/train-metrics.jsonl" --plot "$OUT/train-loss.png" > "$OUT/train.log" 2>&1 || rc=1
   tail -20 "$OUT/train.log"
+fi
+if [ "$part" = dist ] || [ "$part" = all ]; then
+  $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
+  tail -30 "$OUT/dist.log"
 fi
 if [ "$part" = bench ] || [ "$part" = all ]; then
   $PY -m vlseq_ext.bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || rc=1
