@@ -83,6 +83,21 @@ def _adam(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
+def _packed_step(model: nn.Module, opt: torch.optim.Optimizer, feed: "Feeder", k: int,
+                 dev: torch.device) -> Callable[[], None]:
+    """One optimizer step on k samples from `feed`, run as one packed batch (model(list))."""
+
+    def step() -> None:
+        xs, ys = feed.next(k)
+        out = model(_to(xs, dev))
+        loss = F.mse_loss(out, torch.stack(ys).to(dev, non_blocking=True), reduction="sum")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
 def _to(ts: Sequence[Tensor], dev: torch.device) -> List[Tensor]:
     return [t.to(dev, non_blocking=True) for t in ts]
 
@@ -112,15 +127,7 @@ def build_one_gpu_packed(make_model, devices, k, pool) -> Loop:
     model = make_model().to(dev)
     opt, feed = _adam(model), Feeder(pool)
 
-    def step() -> None:
-        xs, ys = feed.next(k)
-        out = model(_to(xs, dev))
-        loss = F.mse_loss(out, torch.stack(ys).to(dev, non_blocking=True), reduction="sum")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return Loop(step, k, [dev])
+    return Loop(_packed_step(model, opt, feed, k, dev), k, [dev])
 
 
 def build_seed_style(make_model, devices, k, pool) -> Loop:
@@ -354,13 +361,7 @@ def _ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -
         xs, ys = make_pool(job["pool"], job.get("seed", 0), pin=dev.type == "cuda")
         feed = Feeder((xs[rank::world], ys[rank::world]))
 
-        def fn() -> None:
-            bx, by = feed.next(k)
-            out = ddp(_to(bx, dev))
-            loss = F.mse_loss(out, torch.stack(by).to(dev, non_blocking=True), reduction="sum")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        fn = _packed_step(ddp, opt, feed, k, dev)
 
         t0 = time.perf_counter()
         for _ in range(len(feed.xs) // k):  # one pass over the shard: warm-up
