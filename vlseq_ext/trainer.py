@@ -104,7 +104,9 @@ class ParallelTrainer:
         samples_per_device: k samples per device per step.
         cuda_graphs: replay a per-length CUDA graph for one-sample forward + backward (exactly the
             eager gradient; see vlseq_ext.graphs). False runs everything eagerly.
-        pack: "auto" (pack when the model accepts a list), True, or False (k per-sample passes).
+        pack: how k > 1 samples per device run, with the same gradient either way: "auto" (one
+            graph replay per sample for narrow RNNs under CUDA graphs; otherwise one packed batch
+            when the model accepts a list), True (packed), or False (k per-sample passes).
         clip_grad_norm: clip the merged gradient to this global L2 norm.
         amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
         accumulation_steps: optimizer steps every this many calls of step().
