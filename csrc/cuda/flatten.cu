@@ -17,14 +17,15 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kInlineSegments = 48;
+constexpr int64_t kMinPerBlock = 2048;  // elements: below this, more blocks only add scheduling
 
 // One tensor of the list. `ptr` is the tensor's data (0 for a missing tensor: zeros),
-// `offset` its slice start in the flat buffer.
+// `offset` its slice start in the flat buffer, `begin` its start in the launch's work split.
 struct Segment {
   int64_t ptr;
   int64_t offset;
   int64_t numel;
-  int64_t chunk_begin;
+  int64_t begin;
   int64_t vec_ok;
 };
 
@@ -32,7 +33,7 @@ struct Segment {
 // bytes of loads in flight: enough to cover memory latency at full occupancy, and a fixed
 // register budget whatever the dtype pair.
 template <int VEC, typename S, typename D, typename Op>
-__device__ __forceinline__ void copy_chunk(const S* __restrict__ src, D* __restrict__ dst, int64_t n, bool vec_ok,
+__device__ __forceinline__ void copy_piece(const S* __restrict__ src, D* __restrict__ dst, int64_t n, bool vec_ok,
                                            Op scale) {
   constexpr int kUnroll = std::max(1, std::min(4, int(64 / (VEC * sizeof(S)))));
   int64_t done = 0;
@@ -62,7 +63,7 @@ __device__ __forceinline__ void copy_chunk(const S* __restrict__ src, D* __restr
 }
 
 template <int VEC, typename D>
-__device__ __forceinline__ void zero_chunk(D* __restrict__ dst, int64_t n, bool vec_ok) {
+__device__ __forceinline__ void zero_piece(D* __restrict__ dst, int64_t n, bool vec_ok) {
   int64_t done = 0;
   if (vec_ok) {
     const int64_t nv = n / VEC;
@@ -80,28 +81,25 @@ __device__ __forceinline__ void zero_chunk(D* __restrict__ dst, int64_t n, bool 
 // register budget of the common f32/f32 case small (a run-time dtype switch inside the kernel
 // made every instantiation pay for the widest pair and spill).
 template <typename F, typename T, bool kToFlat, typename Table>
-__global__ void __launch_bounds__(kThreads) flatten_kernel(const __grid_constant__ Table table, F* flat,
-                                                            double scale) {
+__global__ void __launch_bounds__(kThreads) flatten_kernel(const __grid_constant__ Table table, int64_t total,
+                                                            F* flat, double scale) {
   constexpr int VEC = 16 / sizeof(F);
   using Op = opmath_t<F, T>;
   const Op s = static_cast<Op>(scale);
-  for (int64_t chunk = blockIdx.x; chunk < table.total_chunks; chunk += gridDim.x) {
-    const Segment& seg = table[find_segment(table, chunk)];
-    const int64_t begin = (chunk - seg.chunk_begin) * table.chunk;
-    const int64_t n = min(table.chunk, seg.numel - begin);
+  for_each_piece(table, 0, total, [&](const Segment& seg, int64_t begin, int64_t n) {
     F* f = flat + seg.offset + begin;
     const bool vec_ok = seg.vec_ok != 0;
     T* p = reinterpret_cast<T*>(seg.ptr) + begin;
     if constexpr (kToFlat) {
       if (seg.ptr == 0) {
-        zero_chunk<VEC>(f, n, vec_ok);
+        zero_piece<VEC>(f, n, vec_ok);
       } else {
-        copy_chunk<VEC, T, F, Op>(p, f, n, vec_ok, s);
+        copy_piece<VEC, T, F, Op>(p, f, n, vec_ok, s);
       }
     } else {
-      copy_chunk<VEC, F, T, Op>(f, p, n, vec_ok, s);
+      copy_piece<VEC, F, T, Op>(f, p, n, vec_ok, s);
     }
-  }
+  });
 }
 
 // The vector path moves 16 bytes of the flat type per access, i.e. 16/sizeof(F) elements; on
@@ -131,24 +129,19 @@ void add_to_group(Groups& groups, at::ScalarType t, const Segment& s) {
 template <bool kToFlat>
 void launch_flatten(Groups& groups, const at::Tensor& flat, double scale) {
   const int device = flat.get_device();
-  constexpr int kBlocksPerSm = 2048 / kThreads;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   for (auto& [tensor_type, segs] : groups) {
-    int64_t total = 0;
-    for (const auto& s : segs) total += s.numel;
-    // Up to 64K-element chunks: with a long list (table in global memory) each block then finds
-    // its segment only once or twice; the binary search is a chain of dependent loads.
-    const int64_t chunk = pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm, 2048, 65536);
-    const int64_t chunks = assign_chunks(segs, chunk);
-    if (chunks == 0) continue;
-    const int grid = grid_for(device, chunks, kBlocksPerSm);
+    const int64_t total = assign_begins(segs);
+    if (total == 0) continue;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "vlseq_flatten", [&] {
       using F = scalar_t;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, tensor_type, "vlseq_flatten_t", [&] {
         using T = scalar_t;
-        with_table<kInlineSegments>(segs, chunk, chunks, device, [&](const auto& table) {
-          using Table = std::decay_t<decltype(table)>;
-          flatten_kernel<F, T, kToFlat, Table><<<grid, kThreads, 0, stream>>>(table, flat.data_ptr<F>(), scale);
+        with_table<kInlineSegments>(segs, device, [&](const auto& table) {
+          const auto kernel = flatten_kernel<F, T, kToFlat, std::decay_t<decltype(table)>>;
+          static const int per_sm = blocks_per_sm(kernel, kThreads);
+          const int grid = grid_for(device, per_sm, total, kMinPerBlock);
+          kernel<<<grid, kThreads, 0, stream>>>(table, total, flat.data_ptr<F>(), scale);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });

@@ -15,7 +15,7 @@
 //     release: no device reads or overwrites its buffer before the root finished reading and
 //              writing it. One launch and 2(N-1) event operations in all: the cheapest on the
 //              host, which is what bounds small reductions.
-// two_shot (large buffers): chunk range r is *owned* by rank r, which reads range r of every
+// two_shot (large buffers): element range r is *owned* by rank r, which reads range r of every
 //   buffer and writes the result into range r of every buffer. Range r of any buffer is touched
 //   by rank r alone, so the in-place update needs no scratch and no mid-way sync.
 //     barrier (entry): no rank reads a buffer before its producer finished.
@@ -59,8 +59,8 @@ namespace {
 
 
 constexpr int kThreads = 512;
-constexpr int kBlocksPerSm = 4;
 constexpr int kInlineSegments = 16;
+constexpr int64_t kMinPerBlock = 1024;  // elements: below this, more blocks only add scheduling
 
 // Device-side description of one tensor position with up to R sources and R destinations. R is
 // the smallest of 1, 2, 4, 8 that fits, so a 2-GPU launch carries 56-byte rows, not 152-byte
@@ -70,7 +70,7 @@ struct Seg {
   int64_t src[R];
   int64_t dst[R];
   int64_t numel;
-  int64_t chunk_begin;
+  int64_t begin;  // start in the launch's work split
   int64_t vec_ok;
 };
 
@@ -88,7 +88,7 @@ struct Epilogue {
 // from every source before the first add and store: stores may alias the sources (in place), so
 // the compiler could not hoist later loads above them by itself.
 template <typename T, int R>
-__device__ __forceinline__ void reduce_chunk(const Seg<R>& seg, int64_t begin, int64_t n, int nsrc, int ndst,
+__device__ __forceinline__ void reduce_piece(const Seg<R>& seg, int64_t begin, int64_t n, int nsrc, int ndst,
                                              int nresult, const Epilogue<T>& epi) {
   using Acc = typename Epilogue<T>::Acc;
   constexpr int VEC = 16 / sizeof(T);
@@ -143,18 +143,16 @@ __device__ __forceinline__ void reduce_chunk(const Seg<R>& seg, int64_t begin, i
   }
 }
 
-// Processes chunks [chunk_lo, chunk_hi) of the table; every segment has element type T.
+// Processes elements [lo, hi) of the table's concatenation; every segment has element type T.
 template <typename T, int R, typename Table>
 __global__ void __launch_bounds__(kThreads)
-    reduce_kernel(const __grid_constant__ Table table, int nsrc, int ndst, int nresult, int64_t chunk_lo,
-                  int64_t chunk_hi, double scale, bool divide) {
+    reduce_kernel(const __grid_constant__ Table table, int nsrc, int ndst, int nresult, int64_t lo, int64_t hi,
+                  double scale, bool divide) {
   using Acc = typename Epilogue<T>::Acc;
   const Epilogue<T> epi{static_cast<Acc>(scale), static_cast<Acc>(nsrc), divide};
-  for (int64_t chunk = chunk_lo + blockIdx.x; chunk < chunk_hi; chunk += gridDim.x) {
-    const Seg<R>& seg = table[find_segment(table, chunk)];
-    const int64_t begin = (chunk - seg.chunk_begin) * table.chunk;
-    reduce_chunk<T, R>(seg, begin, min(table.chunk, seg.numel - begin), nsrc, ndst, nresult, epi);
-  }
+  for_each_piece(table, lo, hi, [&](const Seg<R>& seg, int64_t begin, int64_t n) {
+    reduce_piece<T, R>(seg, begin, n, nsrc, ndst, nresult, epi);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -179,15 +177,8 @@ struct Job {
 
 int64_t addr(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
-// Elements per chunk, identical on every rank that splits the job.
-int64_t job_chunk(const Job& job, int device, int ranks) {
-  int64_t total = 0;
-  for (const auto& s : job.segs) total += s.numel;
-  return pick_chunk(total, int64_t{sm_count(device)} * kBlocksPerSm * ranks, 1024, 16384);
-}
-
 template <int R>
-void launch_r(const Job& job, int64_t chunk, int device, int rank, int nranks, double scale, bool divide) {
+void launch_r(const Job& job, int device, int rank, int nranks, double scale, bool divide) {
   std::vector<Seg<R>> segs(job.segs.size());
   for (size_t i = 0; i < segs.size(); ++i) {
     const HostSeg& h = job.segs[i];
@@ -201,36 +192,38 @@ void launch_r(const Job& job, int64_t chunk, int device, int rank, int nranks, d
     segs[i].numel = h.numel;
     segs[i].vec_ok = ok;
   }
-  const int64_t chunks = assign_chunks(segs, chunk);
-  const int64_t lo = chunks * rank / nranks;
-  const int64_t hi = chunks * (rank + 1) / nranks;
+  // Every rank splits the same concatenation at the same points (cut() in multi_tensor.cuh), so
+  // rank r's share is the same element range of every buffer.
+  const int64_t total = assign_begins(segs);
+  const int64_t lo = total * rank / nranks;
+  const int64_t hi = total * (rank + 1) / nranks;
   if (hi <= lo) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  const int grid = grid_for(device, hi - lo, kBlocksPerSm);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, job.dtype, "vlseq_reduce", [&] {
-    with_table<kInlineSegments>(segs, chunk, chunks, device, [&](const auto& table) {
-      using Table = std::decay_t<decltype(table)>;
-      reduce_kernel<scalar_t, R, Table><<<grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, job.nresult, lo,
-                                                                         hi, scale, divide);
+    with_table<kInlineSegments>(segs, device, [&](const auto& table) {
+      const auto kernel = reduce_kernel<scalar_t, R, std::decay_t<decltype(table)>>;
+      static const int per_sm = blocks_per_sm(kernel, kThreads);
+      const int grid = grid_for(device, per_sm, hi - lo, kMinPerBlock);
+      kernel<<<grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, job.nresult, lo, hi, scale, divide);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
 }
 
-// Launches the chunk share rank/nranks of `job` on `device`'s current stream.
-void launch(const Job& job, int64_t chunk, int device, int rank, int nranks, double scale, bool divide,
+// Launches the share rank/nranks of `job` on `device`'s current stream.
+void launch(const Job& job, int device, int rank, int nranks, double scale, bool divide,
             c10::cuda::OptionalCUDAGuard& guard) {
   guard.set_index(static_cast<c10::DeviceIndex>(device));
   const int r = std::max(job.nsrc, job.ndst);
-  if (r <= 1) launch_r<1>(job, chunk, device, rank, nranks, scale, divide);
-  else if (r <= 2) launch_r<2>(job, chunk, device, rank, nranks, scale, divide);
-  else if (r <= 4) launch_r<4>(job, chunk, device, rank, nranks, scale, divide);
-  else launch_r<kMaxRanks>(job, chunk, device, rank, nranks, scale, divide);
+  if (r <= 1) launch_r<1>(job, device, rank, nranks, scale, divide);
+  else if (r <= 2) launch_r<2>(job, device, rank, nranks, scale, divide);
+  else if (r <= 4) launch_r<4>(job, device, rank, nranks, scale, divide);
+  else launch_r<kMaxRanks>(job, device, rank, nranks, scale, divide);
 }
 
 // Launches a job that `device` runs whole.
 void run_on(const Job& job, int device, double scale, bool divide, c10::cuda::OptionalCUDAGuard& guard) {
-  launch(job, job_chunk(job, device, 1), device, 0, 1, scale, divide, guard);
+  launch(job, device, 0, 1, scale, divide, guard);
 }
 
 // Adds a segment to the job of its element type (one launch per type present; a model's
@@ -296,15 +289,12 @@ void all_reduce_jobs(const std::vector<Job>& jobs, const std::vector<int>& devs,
       for (const Job& job : jobs) run_on(job, root, scale, divide, guard);
       peer::release(root, devs, guard);
       return;
-    case Algo::kTwoShot: {
-      std::vector<int64_t> chunks;
-      for (const Job& job : jobs) chunks.push_back(job_chunk(job, root, N));
+    case Algo::kTwoShot:
       peer::barrier(devs, guard);
       for (int r = 0; r < N; ++r)
-        for (size_t i = 0; i < jobs.size(); ++i) launch(jobs[i], chunks[i], devs[r], r, N, scale, divide, guard);
+        for (const Job& job : jobs) launch(job, devs[r], r, N, scale, divide, guard);
       peer::barrier(devs, guard);
       return;
-    }
     default:
       TORCH_CHECK(false, "vlseq_ext: internal error: all_reduce_jobs got an unsupported algorithm");
   }

@@ -1,8 +1,11 @@
 // Multi-tensor launch machinery, after apex's multi_tensor_apply.cuh, with two differences that
 // fit our ops better:
-//  * One launch covers the whole list. Each tensor ("segment") is cut into fixed-size chunks;
-//    a block walks chunks grid-stride and finds its segment by binary search over each
-//    segment's first chunk. apex instead launches once per 320 blocks' worth of chunks.
+//  * One launch covers the whole list, split *evenly by elements*: block b of G owns the
+//    elements [lo + span*b/G, lo + span*(b+1)/G) of the list's concatenation, whatever the
+//    tensor boundaries, so every block does the same work and a grid of one resident wave
+//    finishes together. (Fixed-size chunks left a partial last wave: 1,200 chunks on 1,056
+//    block slots ran at 70% of copy bandwidth.) A block finds its first segment by one binary
+//    search, then walks forward.
 //  * The table travels by value as a __grid_constant__ parameter when it is small (the common
 //    case: a model's handful of gradients), and through device memory otherwise, so a list of
 //    any length is still one launch.
@@ -23,17 +26,9 @@
 
 namespace vlseq {
 
-// Chunk sizes are multiples of kChunkQuantum elements, a multiple of every vector width, so
-// chunk starts keep a segment's alignment.
-constexpr int64_t kChunkQuantum = 256;
-
-// Elements per chunk for `total` elements that `blocks` blocks should share: small lists get
-// small chunks (more blocks busy, lower latency), large ones up to `max_chunk`.
-inline int64_t pick_chunk(int64_t total, int64_t blocks, int64_t min_chunk, int64_t max_chunk) {
-  int64_t c = (total + blocks - 1) / std::max<int64_t>(blocks, 1);
-  c = (c + kChunkQuantum - 1) / kChunkQuantum * kChunkQuantum;
-  return std::min(max_chunk, std::max(min_chunk, c));
-}
+// Block boundaries inside a segment are rounded down to kQuantum elements, a multiple of every
+// vector width, so every piece starts with the segment's own alignment.
+constexpr int64_t kQuantum = 256;
 
 // Vectors are at most 16 bytes wide per access; wider ones are split by the compiler into
 // 16-byte accesses, which is why the alignment is capped at 16.
@@ -48,8 +43,6 @@ template <typename Seg, int kCap>
 struct InlineTable {
   static constexpr int kCapacity = kCap;
   int32_t n;
-  int64_t chunk;  // elements per chunk
-  int64_t total_chunks;
   Seg seg[kCap];
   __device__ __forceinline__ const Seg& operator[](int i) const { return seg[i]; }
 };
@@ -57,33 +50,57 @@ struct InlineTable {
 template <typename Seg>
 struct GlobalTable {
   int32_t n;
-  int64_t chunk;
-  int64_t total_chunks;
   const Seg* seg;
   __device__ __forceinline__ const Seg& operator[](int i) const { return seg[i]; }
 };
 
-// Index of the segment that owns `chunk`: the last one whose chunk_begin <= chunk. Empty segments
-// share their successor's chunk_begin and so are never returned.
+// Index of the segment that holds element x of the concatenation: the last one whose
+// begin <= x. Empty segments share their successor's begin and so are never returned.
 template <typename Table>
-__device__ __forceinline__ int find_segment(const Table& t, int64_t chunk) {
+__device__ __forceinline__ int find_segment(const Table& t, int64_t x) {
   int lo = 0, hi = t.n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (t[mid].chunk_begin <= chunk) lo = mid; else hi = mid - 1;
+    if (t[mid].begin <= x) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
 
-// Fills chunk_begin for every segment; returns the total number of chunks.
+// Where a block boundary at element x of the concatenation falls inside segment s. A pure
+// function of (x, s), so neighbouring blocks (and ranks splitting one job) agree on it, and the
+// pieces tile every segment exactly.
 template <typename Seg>
-int64_t assign_chunks(std::vector<Seg>& segs, int64_t chunk) {
-  int64_t c = 0;
-  for (auto& s : segs) {
-    s.chunk_begin = c;
-    c += (s.numel + chunk - 1) / chunk;
+__device__ __forceinline__ int64_t cut(int64_t x, const Seg& s) {
+  const int64_t local = x - s.begin;
+  if (local <= 0) return 0;
+  if (local >= s.numel) return s.numel;
+  return local / kQuantum * kQuantum;
+}
+
+// Calls f(segment, first element, count) for each piece of this block's share of [lo, hi).
+template <typename Table, typename F>
+__device__ __forceinline__ void for_each_piece(const Table& t, int64_t lo, int64_t hi, F&& f) {
+  const int64_t span = hi - lo;
+  const int64_t start = lo + span * blockIdx.x / gridDim.x;
+  const int64_t end = lo + span * (blockIdx.x + 1) / gridDim.x;
+  if (start >= end) return;
+  for (int i = find_segment(t, start); i < t.n; ++i) {
+    const auto& s = t[i];
+    if (s.begin >= end) break;
+    const int64_t a = cut(start, s), b = cut(end, s);
+    if (b > a) f(s, a, b - a);
   }
-  return c;
+}
+
+// Fills `begin` (position in the concatenation) for every segment; returns the total.
+template <typename Seg>
+int64_t assign_begins(std::vector<Seg>& segs) {
+  int64_t total = 0;
+  for (auto& s : segs) {
+    s.begin = total;
+    total += s.numel;
+  }
+  return total;
 }
 
 // Multiprocessor count, read once per device. (ATen/cuda/CUDAContext.h would do this too, but it
@@ -96,22 +113,31 @@ inline int sm_count(int device) {
   return counts[device];
 }
 
-// Grid size for a chunked kernel: enough blocks to fill the device, never more than chunks.
-inline int grid_for(int device, int64_t chunks, int blocks_per_sm) {
-  const int64_t cap = static_cast<int64_t>(sm_count(device)) * blocks_per_sm;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(chunks, cap)));
+// Blocks of `kernel` resident per multiprocessor. Callers cache it in a static of their own
+// instantiation (kernels of one signature share a function-pointer type, so a cache keyed on the
+// type here would mix them up).
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads) {
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  return std::max(n, 1);
+}
+
+// Grid for `span` elements: about `min_per_block` elements per block or more, and never more
+// blocks than fit on the device at once, so the even split runs as one wave.
+inline int grid_for(int device, int per_sm, int64_t span, int64_t min_per_block) {
+  const int64_t cap = int64_t{sm_count(device)} * per_sm;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, span / min_per_block)));
 }
 
 // Calls launch(table) with an InlineTable when the segments fit, else with a GlobalTable whose
 // rows were uploaded to `device` on `stream` (pinned staging; the caching host allocator keeps the
 // staging block alive until the copy has run).
 template <int kCap, typename Seg, typename Launch>
-void with_table(const std::vector<Seg>& segs, int64_t chunk, int64_t total_chunks, int device, Launch&& launch) {
+void with_table(const std::vector<Seg>& segs, int device, Launch&& launch) {
   if (segs.size() <= static_cast<size_t>(kCap)) {
     InlineTable<Seg, kCap> t;
     t.n = static_cast<int32_t>(segs.size());
-    t.chunk = chunk;
-    t.total_chunks = total_chunks;
     std::copy(segs.begin(), segs.end(), t.seg);
     launch(t);
     return;
@@ -122,8 +148,6 @@ void with_table(const std::vector<Seg>& segs, int64_t chunk, int64_t total_chunk
   at::Tensor dev = host.to(at::Device(at::kCUDA, device), /*non_blocking=*/true);
   GlobalTable<Seg> t;
   t.n = static_cast<int32_t>(segs.size());
-  t.chunk = chunk;
-  t.total_chunks = total_chunks;
   t.seg = reinterpret_cast<const Seg*>(dev.data_ptr());
   launch(t);
   // `dev` is freed here; the caching allocator hands the block out again only to work that is
