@@ -23,14 +23,19 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "vlseq_ext.bench", "--quick", "--devices", "cpu:2", "--out", str(out)],
+def _bench(out, *args):
+    """Runs `python -m vlseq_ext.bench --out out *args` on CPU; returns (results dict, stdout)."""
+    proc = subprocess.run([sys.executable, "-m", "vlseq_ext.bench", *args, "--out", str(out)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "bench-results.json") as f:
-        return out, json.load(f), proc.stdout
+        return json.load(f), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return (out, *_bench(out, "--quick", "--devices", "cpu:2"))
 
 
 def test_quick_cpu_run_writes_valid_results(quick_run):
@@ -46,6 +51,9 @@ def test_quick_cpu_run_writes_valid_results(quick_run):
     flat = d["merge"]["flat_fp32"]["1MB"]
     assert {"seed_style", "reference", "vlseq", "ddp_gloo"} <= set(flat["algbw_gbps"])
     assert flat["bytes"] == 1 << 20 and "vlseq" in d["merge"]["flat_bf16"]["1MB"]["algbw_gbps"]
+    flat = d["flatten"]  # --suite all includes it
+    assert set(flat["seed_model"]["us_per_call"]) == {"vlseq", "flatten_dense_tensors", "cat", "vlseq_unflatten"}
+    assert flat["many_tensors"]["fraction_of_copy"]["copy"] == pytest.approx(1.0)
     w1 = d["train"]["w1_k1_seed"]
     assert {"one_gpu", "vlseq", "vlseq_1gpu"} <= set(w1["samples_per_s"])
     assert w1["num_devices"]["vlseq"] == 2 and w1["ratios"]["vs_one_gpu"]["one_gpu"] == pytest.approx(1.0)
@@ -53,14 +61,39 @@ def test_quick_cpu_run_writes_valid_results(quick_run):
     assert "CUDA" in d["skipped"]["merge.seed_model.cat_nccl"]
     assert "merge.p2p_copy_gbps" in d["skipped"] and "train.w1_k1_seed.seed_style" in d["skipped"]
     assert {t["status"] for t in d["targets"].values()} == {"not run"}
-    assert set(d["timings_s"]) >= {"merge", "train", "ddp", "total"}
+    assert set(d["timings_s"]) >= {"merge", "flatten", "train", "ddp", "total"}
     summary = (out / "summary.md").read_text()
     assert "## Targets" in summary and "not run" in summary and "## Skipped" in summary
+    assert "## Fused flatten" in summary
     assert "| vlseq |" in stdout  # the tables are printed too
     if importlib.util.find_spec("matplotlib"):
         assert (out / "merge_time.png").exists() and (out / "train_samples_per_s.png").exists()
     else:
         assert "plots" in d["skipped"]
+
+
+def test_flatten_suite_on_one_cpu_device(tmp_path):
+    d, stdout = _bench(tmp_path, "--quick", "--suite", "flatten", "--devices", "cpu:1")
+    assert validate(d) == [] and d["errors"] == {} and d["skipped"] == {}
+    assert d["meta"]["suite"] == "flatten" and d["merge"] == {} and d["train"] == {}
+    f = d["flatten"]
+    assert f["device"] == "cpu"
+    seed = f["seed_model"]
+    assert seed["numel"] == 26177 and seed["tensors"] == 6 and seed["min_calls_per_repeat"] == 500
+    assert set(seed["us_per_call"]) == {"vlseq", "flatten_dense_tensors", "cat", "vlseq_unflatten"}
+    many = f["many_tensors"]
+    assert many["size"] == "16MB" and many["tensors"] == 200 and many["bytes"] == 4 * many["numel"]
+    methods = {"vlseq", "vlseq_unflatten", "cat", "foreach_copy", "copy"}
+    assert set(many["gbps_rw"]) == set(many["us"]) == set(many["fraction_of_copy"]) == methods
+    bw = many["gbps_rw"]
+    assert many["fraction_of_copy"]["vlseq"] == pytest.approx(bw["vlseq"] / bw["copy"])
+    # GB/s counts every byte read and written: 2 x bytes per call
+    assert bw["cat"] == pytest.approx(2 * many["bytes"] / many["us"]["cat"] / 1e3)
+    assert d["targets"]["F1"]["status"] == "not run" and "CUDA" in d["targets"]["F1"]["detail"]
+    assert set(d["timings_s"]) == {"flatten", "total"}
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Fused flatten" in summary and "16MB over 200 fp32 tensors" in summary and "| copy |" in summary
+    assert "| vlseq_unflatten |" in stdout
 
 
 def test_ddp_worker_gloo_survives_a_failing_job():
@@ -122,10 +155,19 @@ def _gpu_shaped_results() -> Results:
             r.record(f"train.{wl}.samples_per_s", name, [v, v * 0.95, v * 1.05])
             r.node(f"train.{wl}.num_devices")[name] = 1 if name in ("one_gpu", "one_gpu_packed", "vlseq_1gpu") else 2
     r.error("train.w2_k32_seed.ddp_nccl", "RuntimeError: NCCL error")
+    r.set("flatten.device", "cuda:0")
+    r.set("flatten.seed_model", {"numel": 26177, "tensors": 6, "bytes": 104708, "min_calls_per_repeat": 500})
+    for name, us in {"vlseq": 11.4, "flatten_dense_tensors": 17.5, "cat": 24.9, "vlseq_unflatten": 10.0}.items():
+        r.record("flatten.seed_model.us_per_call", name, [us, us * 0.9, us * 1.1])
+    r.set("flatten.many_tensors", {"size": "256MB", "tensors": 200, "numel": 67108800, "bytes": 268435200})
+    for name, gbps in {"copy": 3972.0, "vlseq": 3272.0, "vlseq_unflatten": 3700.0, "cat": 2900.0}.items():
+        r.record("flatten.many_tensors.us", name, [2 * 268435200 / gbps / 1e3] * 3)
+        r.record("flatten.many_tensors.gbps_rw", name, [gbps, gbps - 1, gbps + 1])
     return r
 
 
 def test_targets_and_report_on_gpu_shaped_results(tmp_path):
+    from vlseq_ext.bench import flatten
     from vlseq_ext.bench.train import add_ratios
     r = _gpu_shaped_results()
     add_ratios(r, cuda=True)
@@ -136,11 +178,19 @@ def test_targets_and_report_on_gpu_shaped_results(tmp_path):
     assert t["M2"]["best_variant"]["method"] == "vlseq_two_shot"  # reported beside the default's status
     assert t["W1"]["status"] == "met" and not t["W1"]["checks"]["goal"]["ok"]
     assert t["W2"]["status"] == "not run" and "ddp_nccl" in t["W2"]["detail"]
+    assert t["F1"]["status"] == "missed" and t["F1"]["ratio"] == pytest.approx(3272 / 3972)  # 82% < 85%
+    assert "best_variant" not in t["F1"]  # the faster unflatten is another op, not a flatten variant
+    assert "target is for" not in t["F1"]["detail"]  # one-GPU target, measured on the first of the 2
+    flatten.add_fractions(r)
     md = write_outputs(r, str(tmp_path), log=lambda s: None)
     d = json.loads((tmp_path / "bench-results.json").read_text())
     assert validate(d) == []
     assert d["train"]["w1_k1_seed"]["ratios"]["vs_one_gpu"]["vlseq"] == pytest.approx(1500 / 467)
     assert "**met**" in md and "**missed**" in md and "381" in md and "NCCL error" in md
+    assert d["flatten"]["many_tensors"]["fraction_of_copy"]["vlseq"] == pytest.approx(3272 / 3972)
+    assert "## Fused flatten (cuda:0" in md and "| vlseq | 3,272 |" in md and "82.4%" in md
+    r.record("flatten.many_tensors.gbps_rw", "vlseq", [3500.0])  # 88%
+    assert evaluate_targets(r)["F1"]["status"] == "met"
 
 
 def test_validate_reports_problems():
@@ -148,9 +198,15 @@ def test_validate_reports_problems():
     d = json.loads(json.dumps(r.data))
     d["merge"]["seed_model"]["us_per_merge"]["vlseq"] = -1
     del d["train"]["w1_k1_seed"]["samples_per_s_spread"]["vlseq"]
+    d["flatten"]["seed_model"]["us_per_call"]["cat"] = "fast"
+    d["flatten"]["many_tensors"]["size"] = "3MB"
+    d["flatten"]["many_tensors"]["fraction_of_copy"] = {"vlseq": 0.8, "not_measured": 1.0}
     problems = validate(d)
     assert any("us_per_merge.vlseq" in p for p in problems)
     assert any("samples_per_s_spread.vlseq" in p for p in problems)
+    assert any("us_per_call.cat" in p for p in problems)
+    assert any("many_tensors.size" in p for p in problems)
+    assert any("fraction_of_copy" in p for p in problems)
     assert validate({}) != []
 
 
@@ -186,19 +242,24 @@ def test_every_training_loop_runs_with_cpu_stand_ins(monkeypatch):
 def test_gpu_plan_has_every_method_and_target_input():
     """What a 2-GPU run would measure (planning only: nothing touches a GPU)."""
     from vlseq_ext import ops
-    from vlseq_ext.bench import merge, train
+    from vlseq_ext.bench import flatten, merge, train
     from vlseq_ext.bench.timing import Budget
 
     devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
     res = Results({})
     m_tasks, m_jobs = merge.tasks(devs, Budget.make(False), res)
     t_tasks, t_jobs = train.tasks(devs, Budget.make(False), res)
-    keys = {t.key for t in m_tasks + t_tasks} | {j["key"] for j, _ in m_jobs + t_jobs}
-    ours = {"merge.seed_model.vlseq", "merge.flat_fp32.256MB.vlseq"} if ops.has_cuda_kernels() else set()
+    f_tasks, f_jobs = flatten.tasks(devs, Budget.make(False), res)
+    assert f_jobs == [] and res.get("flatten.device") == "cuda:0" and res.get("flatten.many_tensors.size") == "256MB"
+    keys = {t.key for t in m_tasks + t_tasks + f_tasks} | {j["key"] for j, _ in m_jobs + t_jobs}
+    ours = {"merge.seed_model.vlseq", "merge.flat_fp32.256MB.vlseq", "flatten.seed_model.vlseq",
+            "flatten.many_tensors.vlseq", "flatten.many_tensors.vlseq_unflatten"} if ops.has_cuda_kernels() else set()
     assert ours | {"merge.seed_model.seed_style", "merge.seed_model.reduce_add_coalesced", "merge.seed_model.cat_nccl",
                    "merge.seed_model.ddp_nccl", "merge.flat_fp32.256MB.cat_nccl", "merge.flat_bf16.1MB.ddp_nccl",
                    "merge.p2p_copy_gbps", "train.w1_k1_seed.one_gpu", "train.w1_k1_seed.seed_style",
                    "train.w1_k1_seed.vlseq", "train.w2_k32_seed.vlseq_1gpu", "train.w2_k32_seed.ddp_nccl",
-                   "train.w2_k32_seed.data_parallel", "train.w2_k32_large.one_gpu_packed"} <= keys
+                   "train.w2_k32_seed.data_parallel", "train.w2_k32_large.one_gpu_packed",
+                   "flatten.seed_model.cat", "flatten.seed_model.flatten_dense_tensors", "flatten.many_tensors.copy",
+                   "flatten.many_tensors.cat", "flatten.many_tensors.foreach_copy"} <= keys
     assert set(res.data["skipped"]) == {f"train.{w}.{m}" for w in ("w1_k1_large", "w2_k32_large")
                                         for m in train.VARIANTS if m != "vlseq_eager" or w.startswith("w1")}

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from . import merge, train
+from . import flatten, merge, train
 from .baselines import run_ddp
 from .report import Results, Skip, Task, collect_meta, write_outputs
 from .timing import Budget
@@ -87,20 +87,21 @@ def _run_ddp_jobs(ddp_jobs: List[tuple], devices: List[torch.device], res: Resul
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="vlseq-bench",
-        description="Benchmarks vlseq_ext's gradient merge and trainer against the seed loop, PyTorch's "
+        description="Benchmarks vlseq_ext's gradient merge, fused flatten and trainer against the seed loop, PyTorch's "
                     "built-ins, NCCL and DDP on the devices it finds. Prints the tables; writes "
                     "bench-results.json, summary.md and plots to --out. Without GPUs it runs the CPU versions "
                     "and lists what it skipped.")
     ap.add_argument("--quick", action="store_true",
                     help="a short run (under 2 minutes): fewer repeats, seed model only")
-    ap.add_argument("--suite", choices=("merge", "train", "all"), default="all",
-                    help="merge: gradient merge and all-reduce (M1, M2); train: samples/s (W1, W2); default all")
+    ap.add_argument("--suite", choices=("merge", "train", "flatten", "all"), default="all",
+                    help="merge: gradient merge and all-reduce (M1, M2); train: samples/s (W1, W2); flatten: "
+                         "ops.flatten / unflatten_ on the first device (F1); default all")
     ap.add_argument("--devices", default=None,
                     help='"2" (first 2 GPUs), "0,1" (these GPUs), "cpu:2" (2 CPU devices); '
                          'default: all GPUs, else cpu:2')
     ap.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed repeats per measurement (default 7 merge / 5 train; quick 5 / 3)")
+                    help="timed repeats per measurement (default 7 merge and flatten / 5 train; quick 5 / 3)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
 
@@ -124,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "ParallelTrainer on CPU devices, gloo DDP); GPU-only methods are skipped and listed at the end.")
 
     tasks, ddp_jobs = [], []
-    for suite, mod in (("merge", merge), ("train", train)):
+    for suite, mod in (("merge", merge), ("flatten", flatten), ("train", train)):
         if args.suite in (suite, "all"):
             t, j = mod.tasks(devices, budget, res)
             tasks += t
@@ -155,6 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             say(f"[{task.section}] {timings[task.section]:.1f} s")
     bar.close()
     train.add_ratios(res, cuda)
+    flatten.add_fractions(res)
     timings["total"] = time.perf_counter() - t_start
     md = write_outputs(res, args.out, log=say)
     print(md)

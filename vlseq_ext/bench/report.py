@@ -25,7 +25,7 @@ class Skip(Exception):
 
 
 class Task(NamedTuple):
-    section: str  # "merge" or "train": per-section timings
+    section: str  # "merge", "flatten", "train" or "ddp": per-section timings
     key: str      # where errors and skips are recorded, e.g. "merge.seed_model.vlseq"
     fn: Callable[[], None]
 
@@ -34,8 +34,8 @@ class Results:
     """Nested dict of results; paths are dot-separated ("merge.seed_model.us_per_merge")."""
 
     def __init__(self, meta: Dict[str, Any]) -> None:
-        self.data: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "meta": meta, "merge": {}, "train": {},
-                                     "targets": {}, "skipped": {}, "errors": {}, "timings_s": {}}
+        self.data: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "meta": meta, "merge": {}, "flatten": {},
+                                     "train": {}, "targets": {}, "skipped": {}, "errors": {}, "timings_s": {}}
 
     def node(self, path: str) -> Dict[str, Any]:
         d = self.data
@@ -126,6 +126,7 @@ TARGETS = {
     "M2": ("all-reduce of 256 MB fp32, 2 GPUs", ">= 90% of copy-engine P2P bandwidth; faster than torch.cuda.nccl"),
     "W1": ("train seed model, 1 sample/GPU/step", ">= 1.9x plain one-GPU loop (goal >= 6x)"),
     "W2": ("train seed model, k=32/GPU", ">= 1.5x DDP; 2 GPUs >= 1.9x our 1-GPU run"),
+    "F1": ("flatten of 256 MB over 200 fp32 tensors, 1 GPU", ">= 85% of a same-device copy's bandwidth"),
 }
 
 
@@ -134,12 +135,14 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
     ddp = "ddp_nccl" if meta["device_type"] == "cuda" else "ddp_gloo"
     out: Dict[str, Any] = {}
 
-    def check(tid: str, needed: Dict[str, str], tests: Callable[[Dict[str, float]], List[tuple]], primary: str) -> None:
+    def check(tid: str, needed: Dict[str, str], tests: Callable[[Dict[str, float]], List[tuple]], primary: str,
+              gpus: int = 2) -> None:
         workload, target = TARGETS[tid]
         entry: Dict[str, Any] = {"workload": workload, "target": target, "status": "not run", "ratio": None}
         out[tid] = entry
-        if meta["device_type"] != "cuda" or meta["num_devices"] < 2:
-            entry["detail"] = f"needs >= 2 CUDA GPUs (this run: {meta['num_devices']} x {meta['device_type']})"
+        if meta["device_type"] != "cuda" or meta["num_devices"] < gpus:
+            entry["detail"] = (f"needs >= {gpus} CUDA GPU{'s' if gpus > 1 else ''} "
+                               f"(this run: {meta['num_devices']} x {meta['device_type']})")
             return
         vals = {name: res.get(path) for name, path in needed.items()}
         missing = [needed[name] for name, v in vals.items() if not v]
@@ -156,12 +159,15 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
 
         checks = evaluate(vals)
         entry.update(checks=checks, ratio=checks[primary]["value"], status=status(checks))
-        note = "" if meta["num_devices"] == 2 else f" (measured on {meta['num_devices']} GPUs; the target is for 2)"
+        # (a one-GPU target runs on the first device whatever the count)
+        note = "" if gpus == 1 or meta["num_devices"] == gpus else \
+            f" (measured on {meta['num_devices']} GPUs; the target is for {gpus})"
         entry["detail"] = "; ".join(f"{n_} = {_fmt(c['value'])} ({'ok' if c['ok'] else 'no'}: "
                                     f"{c['op']} {c['threshold']})" for n_, c in checks.items()) + note
         # The status is for `vlseq` (the defaults); say too how the best of our variants does.
         path = needed["v"].rpartition(".")[0]
-        variants = {k: v for k, v in (res.get(path) or {}).items() if k.startswith("vlseq_") and k != "vlseq_1gpu"}
+        variants = {k: v for k, v in (res.get(path) or {}).items()  # (not variants: 1 device, the inverse op)
+                    if k.startswith("vlseq_") and k not in ("vlseq_1gpu", "vlseq_unflatten")}
         if variants:
             best = (min if path.endswith("us_per_merge") else max)(variants, key=variants.get)
             if (variants[best] < vals["v"]) == path.endswith("us_per_merge"):
@@ -185,6 +191,9 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
     check("W2", {"v": w2 + "vlseq", "ddp": w2 + ddp, "one": w2 + "vlseq_1gpu"},
           lambda v: [("x_" + ddp, v["v"] / v["ddp"], ">=", 1.5), ("x_vlseq_1gpu", v["v"] / v["one"], ">=", 1.9)],
           "x_" + ddp)
+    fl = "flatten.many_tensors.gbps_rw."
+    check("F1", {"v": fl + "vlseq", "copy": fl + "copy"},
+          lambda v: [("fraction_of_copy", v["v"] / v["copy"], ">=", 0.85)], "fraction_of_copy", gpus=1)
     return out
 
 
@@ -220,7 +229,7 @@ def markdown(res: Results, plots: Sequence[str] = ()) -> str:
     L += _table(["id", "workload", "target", "status", "measured"],
                 [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
                  for tid, t in d["targets"].items()])
-    L += _merge_md(d["merge"]) + _train_md(d["train"])
+    L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + _train_md(d["train"])
     if d["skipped"]:
         by_reason: Dict[str, List[str]] = {}
         for k, why in d["skipped"].items():
@@ -262,6 +271,30 @@ def _merge_md(m: Dict[str, Any]) -> List[str]:
         L += ["", f"Copy-engine P2P copy {m.get('p2p_copy_direction', '')}, 256 MB: "
                   f"**{_fmt(m['p2p_copy_gbps'])} GB/s** [{_spread(m.get('p2p_copy_gbps_spread'))}] "
                   "(the ceiling for M2)."]
+    return L
+
+
+def _flatten_md(f: Dict[str, Any]) -> List[str]:
+    L: List[str] = []
+    seed, many = f.get("seed_model", {}), f.get("many_tensors", {})
+    if not (seed.get("us_per_call") or many.get("gbps_rw")):
+        return L
+    L += ["", f"## Fused flatten ({f.get('device', '')}; issue 2, target F1)"]
+    if seed.get("us_per_call"):
+        us, sp, v = seed["us_per_call"], seed["us_per_call_spread"], seed["us_per_call"].get("vlseq")
+        L += ["", f"Seed-model gradients ({seed['numel']:,} fp32 in {seed['tensors']} tensors), µs per call in loops "
+                  f"of >= {seed['min_calls_per_repeat']} calls; time / vlseq: each method's time over `ops.flatten`'s.",
+              ""]
+        L += _table(["method", "µs/call", "min–max", "time / vlseq"],
+                    [[k, _fmt(t), _spread(sp.get(k)), _fmt(t / v) if v else "-"]
+                     for k, t in sorted(us.items(), key=lambda kv: kv[1])])
+    if many.get("gbps_rw"):
+        bw, sp, frac = many["gbps_rw"], many["gbps_rw_spread"], many.get("fraction_of_copy", {})
+        L += ["", f"{many['size']} over {many['tensors']} fp32 tensors, GB/s counted as bytes read + written "
+                  f"(2 × {many['bytes']:,} bytes per call); % of copy: median over the plain copy's median.", ""]
+        L += _table(["method", "GB/s", "min–max", "% of copy"],
+                    [[k, _fmt(b), _spread(sp.get(k)), f"{_fmt(100 * frac[k])}%" if k in frac else "-"]
+                     for k, b in sorted(bw.items(), key=lambda kv: -kv[1])])
     return L
 
 
@@ -417,6 +450,19 @@ def validate(d: Dict[str, Any]) -> List[str]:
                     metric(f"merge.{dt}.{size}.{k}", node[k])
     if "p2p_copy_gbps" in m and not (isinstance(m["p2p_copy_gbps"], (int, float)) and m["p2p_copy_gbps"] > 0):
         bad.append(f"merge.p2p_copy_gbps: expected a positive number, got {m['p2p_copy_gbps']!r}")
+    f = d.get("flatten", {})  # (absent from results written before the flatten suite)
+    if "us_per_call" in f.get("seed_model", {}):
+        metric("flatten.seed_model.us_per_call", f["seed_model"]["us_per_call"])
+    many = f.get("many_tensors", {})
+    if many and many.get("size") not in SIZES:
+        bad.append(f"flatten.many_tensors.size: {many.get('size')!r} (expected one of {list(SIZES)})")
+    for k in ("gbps_rw", "us"):
+        if k in many:
+            metric(f"flatten.many_tensors.{k}", many[k])
+    fractions = many.get("fraction_of_copy", {})
+    if set(fractions) - set(many.get("gbps_rw", {})) or \
+            not all(isinstance(v, (int, float)) and v > 0 for v in fractions.values()):
+        bad.append("flatten.many_tensors.fraction_of_copy: expected {method: positive number} for measured methods")
     for wl, w in d["train"].items():
         if "samples_per_s" in w:
             metric(f"train.{wl}.samples_per_s", w["samples_per_s"])

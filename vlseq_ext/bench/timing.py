@@ -78,10 +78,10 @@ def time_loop(fn: Callable[[], object], sync: Callable[[], None], *, repeats: in
 class Budget:
     """Repeat counts and per-repeat durations: the knobs that set how long a run takes."""
     quick: bool
-    merge_repeats: int
+    merge_repeats: int     # the merge and flatten suites
     train_repeats: int
-    seed_target_s: float   # per repeat of the seed-model merge loop (at least `seed_merges` merges)
-    flat_target_s: float   # per repeat of a flat-buffer all-reduce loop
+    seed_target_s: float   # per repeat of a seed-model merge or flatten loop (at least `seed_merges` calls)
+    flat_target_s: float   # per repeat of a flat-buffer all-reduce or many-tensor flatten loop
     train_target_s: float  # per repeat of a training loop
     seed_merges: int = 500
 
