@@ -9,7 +9,8 @@ on the same data and seed, step by step: k=1 sample per GPU (per-length CUDA gra
 each ending in a tail step (k=1: one sample, so rank 1 has none; k=32: 7 samples). Every step's
 global loss and the final weights must agree within rtol 1e-5 (exit code 1 otherwise).
 Then the W2 workload (k=32 per GPU, reduction="sum", as vlseq_ext.bench's train suite) is timed
-in both modes, in the same run: samples/s for BENCHMARKS.md.
+in both modes and, in the same run, with DDP (one process per GPU, packed batches: the bench's
+DDP baseline): samples/s for BENCHMARKS.md.
 
 Writes OUT/results.json and OUT/summary.md; prints the summary. Each subprocess is bounded by
 --timeout seconds. NCCL_NVLS_ENABLE=0 is set (DESIGN.md §5).
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vlseq_ext import ParallelTrainer, SeqModel  # noqa: E402
-from vlseq_ext.bench.baselines import make_pool  # noqa: E402
+from vlseq_ext.bench.baselines import make_pool, run_ddp  # noqa: E402
 
 CHECKS = {"k1": {"k": 1, "steps": 60, "tail": 1}, "k32": {"k": 32, "steps": 12, "tail": 7}}
 
@@ -183,12 +184,21 @@ def main() -> int:
         return 1
     a = json.loads((out / "single.json").read_text())
     b = json.loads((out / "dist.json").read_text())
+    k = 4 if CPU else 32
+    devs = [torch.device("cpu")] * args.gpus if CPU else [torch.device("cuda", i) for i in range(args.gpus)]
+    job = {"key": "w2_ddp", "kind": "train", "model": {"hidden_dim": 8} if CPU else {}, "k": k,
+           "pool": k * args.gpus * 8, "timing": {"repeats": args.repeats, "iters": args.iters}}
+    ddp = run_ddp([job], devs, timeout_s=args.timeout)["w2_ddp"]
+    if "error" in ddp:
+        print(f"DDP baseline failed: {ddp['error']}")
+        return 1
+    sd = k * args.gpus / statistics.median(ddp["times"])
     ok = True
     lines = [f"# {args.gpus} processes x 1 GPU (NCCL) vs 1 process x {args.gpus} GPUs",
              "", f"torch {torch.__version__}, {'CPU smoke test' if CPU else torch.cuda.get_device_name(0)}", "",
              "| check | steps | max rel. diff of step losses | max rel. diff of final weights | rank-1 samples in last step | ok |",
              "|---|---|---|---|---|---|"]
-    results: Dict[str, Any] = {"check": {}, "w2": {"single": a["w2"], "dist": b["w2"]}}
+    results: Dict[str, Any] = {"check": {}, "w2": {"single": a["w2"], "dist": b["w2"], "ddp": ddp}}
     for name in CHECKS:
         la, lb = np.array(a["check"][name]["losses"]), np.array(b["check"][name]["losses"])
         pa, pb = np.array(a["check"][name]["params"]), np.array(b["check"][name]["params"])
@@ -205,7 +215,8 @@ def main() -> int:
               f"{args.repeats} x {args.iters} steps:", "",
               "| mode | samples/s |", "|---|---|",
               f"| 1 process x {args.gpus} GPUs (P2P merge) | {sa:,.0f} |",
-              f"| {args.gpus} processes x 1 GPU (NCCL all-reduce) | {sb:,.0f} |"]
+              f"| {args.gpus} processes x 1 GPU (NCCL all-reduce) | {sb:,.0f} |",
+              f"| DDP, {args.gpus} processes, packed batches | {sd:,.0f} |"]
     md = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(md)
     (out / "results.json").write_text(json.dumps(results, indent=1))

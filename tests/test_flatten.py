@@ -475,15 +475,17 @@ def test_flatten_seed_grads_is_one_kernel(rand):
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("count", [300, 1000])
 @pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16], ids=dname)
-def test_flatten_more_tensors_than_the_inline_table(flat_dtype, rand):
-    """200 tensors: more than the 48 segments that travel by value, so the table goes through
-    device memory; still one list, still the reference's bits."""
+def test_flatten_more_tensors_than_the_small_table(flat_dtype, count, rand):
+    """More than the 48 segments of the small parameter table. 300 tensors of mixed dtypes (one
+    launch per dtype, ~75 rows each) use the large parameter table (up to 799 rows); 1000 fp32
+    tensors go through device memory. Still the reference's bits."""
     dev = torch.device("cuda", 0)
     tensors, numels = [], []
-    for i in range(200):
+    for i in range(count):
         k = rand.py.randint(0, 5000) if i % 17 else rand.py.randint(5000, 70000)
-        dtype = FLOATS[rand.py.randrange(4)]
+        dtype = FLOATS[rand.py.randrange(4)] if count <= 300 else torch.float32
         t = None if i % 23 == 5 else rand.randn(k, dtype=dtype, device=dev)
         tensors.append(t)
         numels.append(k)

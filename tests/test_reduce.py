@@ -901,14 +901,20 @@ def test_all_reduce_callers_next_kernel_does_not_corrupt_peers(numel, kind, algo
         assert bad.numel() == 0, f"cuda:{d}: calls {bad.tolist()[:10]}: a peer wrote into the buffer after the op returned"
 
 
+def _specs(count):
+    """MIXED_SPECS, or `count` tensors cycling through them (4 of its 9 entries are fp32). Each
+    dtype's segment table travels in the kernel's parameters up to 16 rows, in a large parameter
+    table up to 571 rows (2 devices), through device memory beyond: 0, 100 (44 fp32 rows) and
+    1500 (667 fp32 rows, 333 bf16) cover the three."""
+    return list(MIXED_SPECS) if not count else [MIXED_SPECS[i % len(MIXED_SPECS)] for i in range(count)]
+
+
 @pytest.mark.requires_2gpu
 @pytest.mark.parametrize("algo", TENSOR_ALGOS)
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-@pytest.mark.parametrize("many", [False, True], ids=["mixed", "30-tensors"])
-def test_all_reduce_tensors_2gpu(many, scale, algo, rand):
-    specs = list(MIXED_SPECS)
-    if many:  # more segments than travel by value (12-16): the table goes through device memory
-        specs = [specs[i % len(specs)] for i in range(30)]
+@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+def test_all_reduce_tensors_2gpu(count, scale, algo, rand):
+    specs = _specs(count)
     lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
     originals = [clones(lst) for lst in lists]
     expected = [[t.to("cpu", copy=True) for t in lst] for lst in lists]
@@ -925,11 +931,9 @@ def test_all_reduce_tensors_2gpu(many, scale, algo, rand):
 @pytest.mark.requires_2gpu
 @pytest.mark.parametrize("zero_others", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-@pytest.mark.parametrize("many", [False, True], ids=["mixed", "30-tensors"])
-def test_reduce_tensors_2gpu(many, scale, zero_others, rand):
-    specs = list(MIXED_SPECS)
-    if many:
-        specs = [specs[i % len(specs)] for i in range(30)]
+@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+def test_reduce_tensors_2gpu(count, scale, zero_others, rand):
+    specs = _specs(count)
     lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
     originals = [clones(lst) for lst in lists]
     expected = [[t.to("cpu", copy=True) for t in lst] for lst in lists]
@@ -956,11 +960,9 @@ def test_broadcast_2gpu(root, dtype, size, rand):
 
 
 @pytest.mark.requires_2gpu
-@pytest.mark.parametrize("many", [False, True], ids=["mixed", "30-tensors"])
-def test_broadcast_tensors_2gpu(many, rand):
-    specs = list(MIXED_SPECS)
-    if many:
-        specs = [specs[i % len(specs)] for i in range(30)]
+@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+def test_broadcast_tensors_2gpu(count, rand):
+    specs = _specs(count)
     srcs = [rand.randn(*shape, dtype=dtype, device=DEV0) for shape, dtype in specs]
     saved = clones(srcs)
     dst_lists = [[torch.full(s.shape, float("nan"), dtype=s.dtype, device=dev) for s in srcs] for dev in (DEV1, DEV0)]

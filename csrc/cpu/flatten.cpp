@@ -40,11 +40,10 @@ void flatten_cpu(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArr
   int64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::optional<at::Tensor> t = tensors.get(i);
-    at::Tensor seg = out.view(-1).narrow(0, offset, numels[i]);
     if (t.has_value() && t->defined()) {
       copy_scaled(t->contiguous(), base + offset * esize, out.scalar_type(), scale);
     } else {
-      seg.zero_();
+      out.view(-1).narrow(0, offset, numels[i]).zero_();
     }
     offset += numels[i];
   }

@@ -17,7 +17,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kInlineSegments = 48;
-constexpr int64_t kMinPerBlock = 2048;  // elements: below this, more blocks only add scheduling
+constexpr int64_t kMinWindow = 2048;  // elements: smaller windows only add scheduling
+constexpr int64_t kMaxWindow = 4096;  // swept 2K-64K on the H200: 4K was best (BENCHMARKS.md)
 
 // One tensor of the list. `ptr` is the tensor's data (0 for a missing tensor: zeros),
 // `offset` its slice start in the flat buffer, `begin` its start in the launch's work split.
@@ -82,11 +83,11 @@ __device__ __forceinline__ void zero_piece(D* __restrict__ dst, int64_t n, bool 
 // made every instantiation pay for the widest pair and spill).
 template <typename F, typename T, bool kToFlat, typename Table>
 __global__ void __launch_bounds__(kThreads) flatten_kernel(const __grid_constant__ Table table, int64_t total,
-                                                            F* flat, double scale) {
+                                                            int64_t window, F* flat, double scale) {
   constexpr int VEC = 16 / sizeof(F);
   using Op = opmath_t<F, T>;
   const Op s = static_cast<Op>(scale);
-  for_each_piece(table, 0, total, [&](const Segment& seg, int64_t begin, int64_t n) {
+  for_each_piece(table, 0, total, window, [&](const Segment& seg, int64_t begin, int64_t n) {
     F* f = flat + seg.offset + begin;
     const bool vec_ok = seg.vec_ok != 0;
     T* p = reinterpret_cast<T*>(seg.ptr) + begin;
@@ -140,8 +141,8 @@ void launch_flatten(Groups& groups, const at::Tensor& flat, double scale) {
         with_table<kInlineSegments>(segs, device, [&](const auto& table) {
           const auto kernel = flatten_kernel<F, T, kToFlat, std::decay_t<decltype(table)>>;
           static const int per_sm = blocks_per_sm(kernel, kThreads);
-          const int grid = grid_for(device, per_sm, total, kMinPerBlock);
-          kernel<<<grid, kThreads, 0, stream>>>(table, total, flat.data_ptr<F>(), scale);
+          const Split split = split_for(device, per_sm, total, kMinWindow, kMaxWindow);
+          kernel<<<split.grid, kThreads, 0, stream>>>(table, total, split.window, flat.data_ptr<F>(), scale);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });

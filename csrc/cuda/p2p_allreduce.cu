@@ -60,7 +60,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kInlineSegments = 16;
-constexpr int64_t kMinPerBlock = 1024;  // elements: below this, more blocks only add scheduling
+constexpr int64_t kMinWindow = 1024;  // elements: smaller windows only add scheduling
+constexpr int64_t kMaxWindow = 4096;  // swept 2K-64K on the H200: 4K was best (BENCHMARKS.md)
 
 // Device-side description of one tensor position with up to R sources and R destinations. R is
 // the smallest of 1, 2, 4, 8 that fits, so a 2-GPU launch carries 56-byte rows, not 152-byte
@@ -147,10 +148,10 @@ __device__ __forceinline__ void reduce_piece(const Seg<R>& seg, int64_t begin, i
 template <typename T, int R, typename Table>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(const __grid_constant__ Table table, int nsrc, int ndst, int nresult, int64_t lo, int64_t hi,
-                  double scale, bool divide) {
+                  int64_t window, double scale, bool divide) {
   using Acc = typename Epilogue<T>::Acc;
   const Epilogue<T> epi{static_cast<Acc>(scale), static_cast<Acc>(nsrc), divide};
-  for_each_piece(table, lo, hi, [&](const Seg<R>& seg, int64_t begin, int64_t n) {
+  for_each_piece(table, lo, hi, window, [&](const Seg<R>& seg, int64_t begin, int64_t n) {
     reduce_piece<T, R>(seg, begin, n, nsrc, ndst, nresult, epi);
   });
 }
@@ -203,8 +204,9 @@ void launch_r(const Job& job, int device, int rank, int nranks, double scale, bo
     with_table<kInlineSegments>(segs, device, [&](const auto& table) {
       const auto kernel = reduce_kernel<scalar_t, R, std::decay_t<decltype(table)>>;
       static const int per_sm = blocks_per_sm(kernel, kThreads);
-      const int grid = grid_for(device, per_sm, hi - lo, kMinPerBlock);
-      kernel<<<grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, job.nresult, lo, hi, scale, divide);
+      const Split split = split_for(device, per_sm, hi - lo, kMinWindow, kMaxWindow);
+      kernel<<<split.grid, kThreads, 0, stream>>>(table, job.nsrc, job.ndst, job.nresult, lo, hi, split.window, scale,
+                                                  divide);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -1,14 +1,13 @@
 // Multi-tensor launch machinery, after apex's multi_tensor_apply.cuh, with two differences that
 // fit our ops better:
-//  * One launch covers the whole list, split *evenly by elements*: block b of G owns the
-//    elements [lo + span*b/G, lo + span*(b+1)/G) of the list's concatenation, whatever the
-//    tensor boundaries, so every block does the same work and a grid of one resident wave
-//    finishes together. (Fixed-size chunks left a partial last wave: 1,200 chunks on 1,056
-//    block slots ran at 70% of copy bandwidth.) A block finds its first segment by one binary
-//    search, then walks forward.
-//  * The table travels by value as a __grid_constant__ parameter when it is small (the common
-//    case: a model's handful of gradients), and through device memory otherwise, so a list of
-//    any length is still one launch.
+//  * One launch covers the whole list as one stream of elements, whatever the tensor
+//    boundaries: a grid of resident blocks (sized from the kernel's occupancy) takes fixed
+//    windows of that stream in turn, so the grid sweeps memory front to back together and no
+//    partial last wave is left (fixed per-tensor chunks ran flatten of 256 MB / 200 tensors at
+//    70% of a copy's bandwidth; 4K-element windows at 94%, BENCHMARKS.md). A block finds a
+//    window's segment by binary search over the segments' start positions.
+//  * The table travels by value as a __grid_constant__ parameter up to 32 KB (hundreds of
+//    tensors), and through device memory beyond, so a list of any length is still one launch.
 // Sizes and offsets are 64-bit throughout.
 #pragma once
 
@@ -26,7 +25,7 @@
 
 namespace vlseq {
 
-// Block boundaries inside a segment are rounded down to kQuantum elements, a multiple of every
+// Window boundaries inside a segment are rounded down to kQuantum elements, a multiple of every
 // vector width, so every piece starts with the segment's own alignment.
 constexpr int64_t kQuantum = 256;
 
@@ -77,18 +76,20 @@ __device__ __forceinline__ int64_t cut(int64_t x, const Seg& s) {
   return local / kQuantum * kQuantum;
 }
 
-// Calls f(segment, first element, count) for each piece of this block's share of [lo, hi).
+// Calls f(segment, first element, count) for each piece of this block's windows of [lo, hi):
+// block b takes windows b, b + G, b + 2G, ... of `window` elements, so the grid sweeps the list
+// front to back together and a block that runs slow delays the end by one window at most.
 template <typename Table, typename F>
-__device__ __forceinline__ void for_each_piece(const Table& t, int64_t lo, int64_t hi, F&& f) {
-  const int64_t span = hi - lo;
-  const int64_t start = lo + span * blockIdx.x / gridDim.x;
-  const int64_t end = lo + span * (blockIdx.x + 1) / gridDim.x;
-  if (start >= end) return;
-  for (int i = find_segment(t, start); i < t.n; ++i) {
-    const auto& s = t[i];
-    if (s.begin >= end) break;
-    const int64_t a = cut(start, s), b = cut(end, s);
-    if (b > a) f(s, a, b - a);
+__device__ __forceinline__ void for_each_piece(const Table& t, int64_t lo, int64_t hi, int64_t window, F&& f) {
+  const int64_t stride = int64_t{gridDim.x} * window;
+  for (int64_t start = lo + int64_t{blockIdx.x} * window; start < hi; start += stride) {
+    const int64_t end = min(start + window, hi);
+    for (int i = find_segment(t, start); i < t.n; ++i) {
+      const auto& s = t[i];
+      if (s.begin >= end) break;
+      const int64_t a = cut(start, s), b = cut(end, s);
+      if (b > a) f(s, a, b - a);
+    }
   }
 }
 
@@ -123,21 +124,47 @@ int blocks_per_sm(Kernel kernel, int threads) {
   return std::max(n, 1);
 }
 
-// Grid for `span` elements: about `min_per_block` elements per block or more, and never more
-// blocks than fit on the device at once, so the even split runs as one wave.
-inline int grid_for(int device, int per_sm, int64_t span, int64_t min_per_block) {
+// How a launch covers `span` elements: `grid` resident blocks, each taking windows of `window`
+// elements in turn. Small jobs get one window of at least `min_window` per block (latency);
+// large ones windows of `max_window`, many per block (balance).
+struct Split {
+  int grid;
+  int64_t window;
+};
+
+inline Split split_for(int device, int per_sm, int64_t span, int64_t min_window, int64_t max_window) {
   const int64_t cap = int64_t{sm_count(device)} * per_sm;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, span / min_per_block)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(cap, span / min_window));
+  int64_t window = (span + grid - 1) / grid;
+  window = (window + kQuantum - 1) / kQuantum * kQuantum;
+  return {static_cast<int>(grid), std::min(window, max_window)};
 }
 
-// Calls launch(table) with an InlineTable when the segments fit, else with a GlobalTable whose
-// rows were uploaded to `device` on `stream` (pinned staging; the caching host allocator keeps the
-// staging block alive until the copy has run).
-template <int kCap, typename Seg, typename Launch>
+// Kernel parameters may take up to 32,764 bytes (CUDA >= 12.1, Volta and newer); a table up to
+// this size still travels inline, leaving room for the kernel's other arguments.
+constexpr size_t kMaxInlineTableBytes = 32000;
+
+// Calls launch(table) with the smallest table that holds the segments: InlineTable<kSmall> (the
+// common case: a model's handful of gradients; the whole parameter block is copied on every
+// launch, so it stays small), a large InlineTable up to kMaxInlineTableBytes, else a
+// GlobalTable whose rows were uploaded to `device` on `stream`. The upload needs pinned staging
+// from the caching host allocator, which costs ~100 us per call while earlier launches still
+// hold its blocks: the large inline table keeps lists of hundreds of tensors off that path.
+template <int kSmall, typename Seg, typename Launch>
 void with_table(const std::vector<Seg>& segs, int device, Launch&& launch) {
-  if (segs.size() <= static_cast<size_t>(kCap)) {
-    InlineTable<Seg, kCap> t;
-    t.n = static_cast<int32_t>(segs.size());
+  constexpr int kLarge = static_cast<int>((kMaxInlineTableBytes - 16) / sizeof(Seg));
+  static_assert(kLarge > kSmall, "kSmall must be below the large table's capacity");
+  const int32_t n = static_cast<int32_t>(segs.size());
+  if (n <= kSmall) {
+    InlineTable<Seg, kSmall> t;
+    t.n = n;
+    std::copy(segs.begin(), segs.end(), t.seg);
+    launch(t);
+    return;
+  }
+  if (n <= kLarge) {
+    InlineTable<Seg, kLarge> t;
+    t.n = n;
     std::copy(segs.begin(), segs.end(), t.seg);
     launch(t);
     return;
@@ -147,7 +174,7 @@ void with_table(const std::vector<Seg>& segs, int device, Launch&& launch) {
   std::memcpy(host.data_ptr(), segs.data(), bytes);
   at::Tensor dev = host.to(at::Device(at::kCUDA, device), /*non_blocking=*/true);
   GlobalTable<Seg> t;
-  t.n = static_cast<int32_t>(segs.size());
+  t.n = n;
   t.seg = reinterpret_cast<const Seg*>(dev.data_ptr());
   launch(t);
   // `dev` is freed here; the caching allocator hands the block out again only to work that is
