@@ -475,17 +475,15 @@ def test_flatten_seed_grads_is_one_kernel(rand):
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("count", [300, 1000])
 @pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16], ids=dname)
-def test_flatten_more_tensors_than_the_small_table(flat_dtype, count, rand):
-    """More than the 48 segments of the small parameter table. 300 tensors of mixed dtypes (one
-    launch per dtype, ~75 rows each) use the large parameter table (up to 799 rows); 1000 fp32
-    tensors go through device memory. Still the reference's bits."""
+def test_flatten_more_tensors_than_the_inline_table(flat_dtype, rand):
+    """300 tensors of mixed dtypes: one launch per dtype, each with ~75 rows, more than the 48
+    that travel by value, so the table goes through device memory; still the reference's bits."""
     dev = torch.device("cuda", 0)
     tensors, numels = [], []
-    for i in range(count):
+    for i in range(300):
         k = rand.py.randint(0, 5000) if i % 17 else rand.py.randint(5000, 70000)
-        dtype = FLOATS[rand.py.randrange(4)] if count <= 300 else torch.float32
+        dtype = FLOATS[rand.py.randrange(4)]
         t = None if i % 23 == 5 else rand.randn(k, dtype=dtype, device=dev)
         tensors.append(t)
         numels.append(k)
@@ -506,6 +504,53 @@ def test_flatten_more_tensors_than_the_small_table(flat_dtype, count, rand):
     reference.unflatten_(out[:m], ref, 4.0)
     for i, (d, e) in enumerate(zip(dests, ref)):
         exact(d, e, f"tensors[{i}]")
+
+
+@pytest.mark.requires_cuda
+def test_device_tables_are_reused_only_for_the_same_list(rand):
+    """Device-memory tables are cached by content: the same list again (new values), another list
+    of the same sizes, the first again, and the first from another stream must each be right."""
+    dev = torch.device("cuda", 0)
+    sizes = [rand.py.randint(1, 3000) for _ in range(60)]
+    a = [rand.randn(k, device=dev) for k in sizes]
+    b = [rand.randn(k, device=dev) for k in sizes]
+    out = torch.empty(sum(sizes), device=dev)
+
+    def check(tensors, what):
+        out.fill_(float("nan"))
+        ops.flatten(tensors, out=out, scale=0.5)
+        exact(out, torch.cat([t.reshape(-1) for t in tensors]) * 0.5, what)
+        back = [torch.full_like(t, float("nan")) for t in tensors]
+        ops.unflatten_(out, back, 2.0)
+        for i, (x, t) in enumerate(zip(back, tensors)):
+            exact(x, t, f"{what}: unflatten tensors[{i}]")
+
+    check(a, "first call")
+    for t in a:
+        t.normal_()
+    check(a, "same list, new values")
+    check(b, "another list of the same sizes")
+    check(a, "first list again")
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream lags: its kernels must still find a complete table
+        for t in a:
+            t.mul_(3.0)
+        check(a, "first list from a side stream")
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    # a new list whose table is uploaded on a lagging side stream, then used at once on the
+    # main stream: the main stream must wait for the upload
+    c = [rand.randn(k + 1, device=dev) for k in sizes]
+    out_c = torch.empty(sum(k + 1 for k in sizes), device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        ops.flatten(c, out=torch.empty_like(out_c))
+    ops.flatten(c, out=out_c)
+    exact(out_c, torch.cat([t.reshape(-1) for t in c]), "table uploaded on a lagging side stream")
+    torch.cuda.synchronize(dev)
 
 
 @pytest.mark.requires_cuda

@@ -902,17 +902,16 @@ def test_all_reduce_callers_next_kernel_does_not_corrupt_peers(numel, kind, algo
 
 
 def _specs(count):
-    """MIXED_SPECS, or `count` tensors cycling through them (4 of its 9 entries are fp32). Each
-    dtype's segment table travels in the kernel's parameters up to 16 rows, in a large parameter
-    table up to 571 rows (2 devices), through device memory beyond: 0, 100 (44 fp32 rows) and
-    1500 (667 fp32 rows, 333 bf16) cover the three."""
+    """MIXED_SPECS, or `count` tensors cycling through them. Each dtype's segment table travels
+    in the kernel's parameters up to 16 rows and through device memory beyond: 100 tensors give
+    44 fp32 rows."""
     return list(MIXED_SPECS) if not count else [MIXED_SPECS[i % len(MIXED_SPECS)] for i in range(count)]
 
 
 @pytest.mark.requires_2gpu
 @pytest.mark.parametrize("algo", TENSOR_ALGOS)
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+@pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
 def test_all_reduce_tensors_2gpu(count, scale, algo, rand):
     specs = _specs(count)
     lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
@@ -931,7 +930,7 @@ def test_all_reduce_tensors_2gpu(count, scale, algo, rand):
 @pytest.mark.requires_2gpu
 @pytest.mark.parametrize("zero_others", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+@pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
 def test_reduce_tensors_2gpu(count, scale, zero_others, rand):
     specs = _specs(count)
     lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
@@ -960,7 +959,7 @@ def test_broadcast_2gpu(root, dtype, size, rand):
 
 
 @pytest.mark.requires_2gpu
-@pytest.mark.parametrize("count", [0, 100, 1500], ids=["mixed", "100-tensors", "1500-tensors"])
+@pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
 def test_broadcast_tensors_2gpu(count, rand):
     specs = _specs(count)
     srcs = [rand.randn(*shape, dtype=dtype, device=DEV0) for shape, dtype in specs]
