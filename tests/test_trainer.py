@@ -326,13 +326,20 @@ def no_tf32():
 
 
 def gpu_reference_grads(model: nn.Module, xs, ys, reduction: str):
-    """The same per-sample passes in fp32 on cuda:0, eager: what a single GPU computes."""
+    """The same per-sample passes in fp32 on cuda:0, eager: what a single GPU computes. Returns
+    the summed grads and, per parameter, the sum of the samples' |grad|: the scale of the rounding
+    that a different summation order changes."""
     ref = copy.deepcopy(model).cuda(0)
-    ref.zero_grad(set_to_none=True)
+    grads, magnitude = {}, {}
     for x, y in zip(xs, ys):
+        ref.zero_grad(set_to_none=True)
         loss = nn.MSELoss()(ref(x.cuda(0)), y.cuda(0).reshape(1, -1))
         (loss / (len(xs) if reduction == "mean" else 1)).backward()
-    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double().cpu() for n, p in ref.named_parameters()}
+        for n, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[n] = grads[n] + g if n in grads else g.clone()  # fp32 accumulation, sample order
+            magnitude[n] = magnitude.get(n, 0) + g.double().abs().cpu()
+    return {n: g.double().cpu() for n, g in grads.items()}, magnitude
 
 
 @requires_2gpu
@@ -342,13 +349,15 @@ def gpu_reference_grads(model: nn.Module, xs, ys, reduction: str):
 @pytest.mark.parametrize("model_name", ["seed", "bigru2", "unused_param", "buffer"])
 def test_gpu_gradients_match_reference(model_name, graphs, k, reduction, no_tf32):
     """Against float64: cuDNN's fp32 RNN backward alone reaches ~1e-5 relative error (seen on
-    H200), so 3e-5 there; against the same passes in fp32 on one GPU, where only the summation
-    order (per device, then the merge) and the graph replays differ, 1e-5 (6e-6 seen)."""
+    H200), so 3e-5 there. Against the same passes in fp32 on one GPU only the summation order
+    differs (per device, then the merge), so the difference is bounded by 1e-5 of the summed
+    magnitudes sum_i |g_i|; relative to the result's norm it reached 1.3e-5 on the H200 where the
+    samples' grads cancel."""
     gen = torch.Generator().manual_seed(17 * k)
     model = MODELS[model_name]()
     xs, ys = make_batch(2 * k, out_dim(model), gen)
     ref, ref_loss = reference_grads(model, xs, ys, reduction)
-    ref32 = gpu_reference_grads(model, xs, ys, reduction)
+    ref32, magnitude = gpu_reference_grads(model, xs, ys, reduction)
     model.cuda(0)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(),
                               devices=["cuda:0", "cuda:1"], samples_per_device=k, reduction=reduction,
@@ -356,7 +365,10 @@ def test_gpu_gradients_match_reference(model_name, graphs, k, reduction, no_tf32
     for _ in range(2):  # the second pass replays the graphs captured by the first
         loss = trainer.compute_gradients(xs, ys)
     assert_grads_match(model, ref, rtol=3e-5)
-    assert_grads_match(model, ref32, rtol=1e-5)
+    for name, p in model.named_parameters():
+        err = (p.grad.double().cpu() - ref32[name]).norm().item()
+        bound = 1e-5 * magnitude[name].norm().item()
+        assert err <= bound + 1e-12, f"{name}: |g - g_fp32| = {err:.3e} > 1e-5 * |sum_i |g_i|| = {bound:.3e}"
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
 
 
