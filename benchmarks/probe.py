@@ -157,9 +157,8 @@ def t_merge_bench():
     res["tensors_root"] = timeit(lambda: ops.all_reduce_tensors_(gl, 1.0, "root"), 500)
     res["tensors_two_shot"] = timeit(lambda: ops.all_reduce_tensors_(gl, 1.0, "two_shot"), 500)
     res["reduce_tensors"] = timeit(lambda: ops.reduce_tensors_(gl, 1.0, True), 500)
-    flat_args = [t for l in gl for t in l]
-    res["raw_op_fused"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(flat_args, N, 1.0, "root"), 500)
-    res["raw_op_scale_1dev"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(gl[0], 1, 0.5, "auto"), 500)
+    res["raw_op_fused"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(gl.flat, N, 1.0, "root"), 500)
+    res["raw_op_scale_1dev"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(gl.lists[0], 1, 0.5, "auto"), 500)
     res["flat_root"] = timeit(lambda: ops.all_reduce_(mu.flat_buffers, "sum", "root"), 500)
     res["sleep0_launch"] = timeit(lambda: torch.cuda._sleep(0), 500)
     # option 1 (master steps, broadcast) vs option 2 (every replica steps) for merge+optimizer+sync
@@ -183,7 +182,7 @@ def t_merge_bench():
     one = [mu.flat_buffers[0]]
     res["dispatch_allreduce_1buf"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_(one, "sum", "auto"), 500)
     res["dispatch_p2p_status"] = timeit(lambda: torch.ops.vlseq_ext.p2p_status(mu.flat_buffers), 500)
-    res["dispatch_tensors_N1"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(gl[0], 1, 1.0), 500)
+    res["dispatch_tensors_N1"] = timeit(lambda: torch.ops.vlseq_ext.all_reduce_tensors_(gl.lists[0], 1, 1.0), 500)
     # multi-device CUDA graph of the fused merge
     try:
         g = torch.cuda.CUDAGraph()
@@ -209,12 +208,12 @@ def t_merge_bench():
             evs[0].record(cur[0])
             for i in range(1, N): cur[i].wait_event(evs[0])
         # correctness of the graph replay
-        for gs in gl:
+        for gs in gl.lists:
             for t in gs: t.normal_()
-        ref = [[t.clone() for t in gs] for gs in gl]
+        ref = [[t.clone() for t in gs] for gs in gl.lists]
         reference.all_reduce_tensors_(ref, 1.0)
         replay(); torch.cuda.synchronize()
-        check("graph merge correct", all(torch.equal(a, b) for gs, rs in zip(gl, ref) for a, b in zip(gs, rs)))
+        check("graph merge correct", all(torch.equal(a, b) for gs, rs in zip(gl.lists, ref) for a, b in zip(gs, rs)))
         res["graph_merge_replay"] = timeit(replay, 500)
         res["graph_replay_only"] = timeit(lambda: g.replay(), 500)
     except Exception as e:
