@@ -155,8 +155,10 @@ class TableCache {
     return *cache;
   }
 
-  // A device pointer holding `bytes` bytes equal to `rows`, usable by work queued next on `stream`.
-  const void* find_or_upload(const void* tag, int device, const void* rows, size_t bytes, cudaStream_t stream) {
+  // A device tensor holding `bytes` bytes equal to `rows`, usable by work queued next on `stream`.
+  // The caller holds it until its launch is queued, so an eviction by another thread in between
+  // cannot hand the block to other work first.
+  at::Tensor find_or_upload(const void* tag, int device, const void* rows, size_t bytes, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = 0; i < entries_.size(); ++i) {
       Entry& e = entries_[i];
@@ -172,7 +174,7 @@ class TableCache {
             c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
       }
       std::rotate(entries_.begin(), entries_.begin() + i, entries_.begin() + i + 1);  // most recent first
-      return entries_.front().table.const_data_ptr();
+      return entries_.front().table;
     }
     Entry e;
     e.tag = tag;
@@ -187,7 +189,7 @@ class TableCache {
       entries_.pop_back();  // the allocator reuses the block only after the work queued on it
     }
     entries_.insert(entries_.begin(), std::move(e));
-    return entries_.front().table.const_data_ptr();
+    return entries_.front().table;
   }
 
   // A fresh device copy on the current stream (pinned staging; the caching host allocator keeps
@@ -240,7 +242,8 @@ void with_table(const std::vector<Seg>& segs, int device, Launch&& launch) {
   GlobalTable<Seg> t;
   t.n = n;
   if (capture == cudaStreamCaptureStatusNone) {
-    t.seg = static_cast<const Seg*>(TableCache::get().find_or_upload(row_tag<Seg>(), device, segs.data(), bytes, stream));
+    const at::Tensor table = TableCache::get().find_or_upload(row_tag<Seg>(), device, segs.data(), bytes, stream);
+    t.seg = static_cast<const Seg*>(table.const_data_ptr());
     launch(t);
     return;
   }
