@@ -5,4 +5,4 @@ from .models import SeqModel
 from .trainer import ParallelTrainer
 
 __all__ = ["ops", "GradientMerger", "SeqModel", "ParallelTrainer"]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402  (the one version source, vlseq_ext/_version.py)
