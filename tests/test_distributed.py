@@ -133,11 +133,11 @@ def scenario_merge(out: Path) -> None:
     # 1. merged gradients (compute_gradients) against the float64 reference of the whole global step
     for reduction in ("sum", "mean"):
         tr = trainer_for(reduction)
-        assert isinstance(tr.cross_process, CrossProcessMerge) and (tr.rank, tr.world_size) == (rank, 2)
+        assert isinstance(tr.merger.collective, CrossProcessMerge) and (tr.rank, tr.world_size) == (rank, 2)
         ref = copy.deepcopy(tr.model).double()
         worst, counts, losses = 0.0, [], []
         for gs in GLOBAL_STEPS:
-            mine = [gs[i] for i in tr.cross_process.shard([lengths[i] for i in gs], 2, 2)]
+            mine = [gs[i] for i in tr.shard([lengths[i] for i in gs])]
             counts.append(len(mine))
             loss = tr.compute_gradients([xs[i] for i in mine], [ys[i] for i in mine])
             ref.zero_grad()
@@ -160,7 +160,7 @@ def scenario_merge(out: Path) -> None:
     step_losses = []
     for _ in range(2):
         for gs in GLOBAL_STEPS:
-            mine = [gs[i] for i in tr.cross_process.shard([lengths[i] for i in gs], 2, 2)]
+            mine = [gs[i] for i in tr.shard([lengths[i] for i in gs])]
             a = tr.step([xs[i] for i in mine], [ys[i] for i in mine])
             b = one.step([xs[i] for i in gs], [ys[i] for i in gs])
             torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
@@ -168,7 +168,7 @@ def scenario_merge(out: Path) -> None:
     torch.testing.assert_close(torch.tensor(_flat_params(tr.model)), torch.tensor(_flat_params(one.model)),
                                rtol=1e-5, atol=1e-6)
     res["train"] = {"losses": step_losses, "params": _flat_params(tr.model),
-                    "replicas_equal_master": all(_flat_params(r) == _flat_params(tr.model) for r in tr.replicas)}
+                    "replicas_equal_master": all(_flat_params(r) == _flat_params(tr.model) for r in tr.replicas.replicas)}
 
     # 3. fit(): same data, same shuffle seed; global steps of 8, the last one of 6
     tr, one = trainer_for("mean"), trainer_for("mean", devices=["cpu"] * 4, group=None)
@@ -188,7 +188,7 @@ def scenario_merge(out: Path) -> None:
     one.model.load_state_dict(tr.model.state_dict())
     one.sync_replicas()
     for gs in GLOBAL_STEPS[1:]:  # 8+5, then 1+3
-        mine = [gs[i] for i in tr.cross_process.shard([lengths[i] for i in gs], 2, 2)]
+        mine = [gs[i] for i in tr.shard([lengths[i] for i in gs])]
         tr.step([xs[i] for i in mine], [ys[i] for i in mine])
         one.step([xs[i] for i in gs], [ys[i] for i in gs])
     torch.testing.assert_close(torch.tensor(_flat_params(tr.model)), torch.tensor(_flat_params(one.model)),
@@ -429,7 +429,7 @@ def test_single_process_configuration(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     model = SeqModel(3, 4, 1)
     tr = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=["cpu"])
-    assert tr.cross_process is None and (tr.rank, tr.world_size) == (0, 1)
+    assert not hasattr(tr.merger, "collective") and (tr.rank, tr.world_size) == (0, 1)
     with pytest.raises(ValueError, match="empty step"):  # only a rank of several may have no sample
         tr.step([], [])
     with pytest.raises(ValueError, match="process_group must be"):

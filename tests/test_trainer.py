@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
-from vlseq_ext.trainer import assign_lpt, parse_devices
+from vlseq_ext.devices import parse_devices
+from vlseq_ext.scheduling import assign_lpt
 
 requires_2gpu = pytest.mark.requires_2gpu  # skip logic in conftest.py
 
@@ -143,7 +144,7 @@ def test_adam_trajectory_and_replicas_stay_identical():
         for x, y in zip(xs, ys):
             (nn.MSELoss()(ref(x.double()), y.double().reshape(1, 1)) / len(xs)).backward()
         ref_opt.step()
-        for replica in trainer.replicas[1:]:
+        for replica in trainer.replicas.replicas[1:]:
             for a, b in zip(model.state_dict().values(), replica.state_dict().values()):
                 assert torch.equal(a, b)
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -156,7 +157,7 @@ def test_buffers_follow_the_master():
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=["cpu"] * 2)
     model.scale.mul_(3.0)
     trainer.step(*make_batch(2, 2, torch.Generator().manual_seed(1)))
-    assert torch.equal(trainer.replicas[1].scale, model.scale)
+    assert torch.equal(trainer.replicas.replicas[1].scale, model.scale)
 
 
 def test_gradient_accumulation_equals_one_big_step():
@@ -296,7 +297,7 @@ def test_bad_constructor_arguments(monkeypatch):
     with pytest.raises(ValueError, match="the model has no parameters"):
         ParallelTrainer(nn.ReLU(), opt, nn.MSELoss(), devices=["cpu"])
     n = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"devices: cuda:{n + 3} does not exist"):
+    with pytest.raises(ValueError, match=rf"cuda:{n + 3} does not exist"):
         ParallelTrainer(model, opt, nn.MSELoss(), devices=[f"cuda:{n + 3}"])
     with pytest.raises(ValueError, match="reduction must be"):
         ParallelTrainer(model, opt, nn.MSELoss(), devices=["cpu"], reduction="max")
@@ -386,7 +387,7 @@ def test_gpu_graph_replay_matches_eager_and_replicas_stay_identical(no_tf32):
         ys = [torch.randn(1, generator=gen) for _ in xs]
         t_graph.step(xs, ys)
         t_eager.step(xs, ys)
-        for a, b in zip(m_graph.parameters(), t_graph.replicas[1].parameters()):
+        for a, b in zip(m_graph.parameters(), t_graph.replicas.replicas[1].parameters()):
             assert torch.equal(a.cpu(), b.cpu())
     assert sum(s["replays"] for s in t_graph.graph_stats()) > 0
     for a, b in zip(m_graph.parameters(), m_eager.parameters()):

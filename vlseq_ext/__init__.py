@@ -1,7 +1,7 @@
 """vlseq_ext: fast, exact multi-GPU training of sequence models on variable-length samples."""
 from . import ops
-from .comm import GradientMerger
 from .models import SeqModel
+from .replicas import GradientMerger
 from .trainer import ParallelTrainer
 
 __all__ = ["ops", "GradientMerger", "SeqModel", "ParallelTrainer"]

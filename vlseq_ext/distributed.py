@@ -6,7 +6,7 @@ Launch modes (both through torchrun; docs/multi-node.md has the command lines):
   - one process per machine, driving all of that machine's GPUs through the single-process path
     (persistent replicas, CUDA graphs, the fused P2P merge): `--nproc-per-node 1`;
   - one process per GPU: `--nproc-per-node <GPUs>`. With devices=None (`--devices all`) each process
-    takes its share of the machine's GPUs by LOCAL_RANK (`default_local_devices`).
+    takes its share of the machine's GPUs by LOCAL_RANK (`vlseq_ext.devices.local_share`).
 
 Process group. ParallelTrainer(process_group="auto") uses the default group when torch.distributed
 is initialised with more than one process; otherwise, when torchrun's environment says there are
@@ -38,7 +38,7 @@ only its slice across nodes, then an all-gather)? It divides the bytes each NIC 
 number of local GPUs, which pays off only when the inter-node transfer is bandwidth-bound. Our
 gradients are small: the seed model's are 105 KB, a few microseconds of wire time on a 25 GB/s
 link, while one NCCL all-reduce of a ready buffer costs ~18 us even between two GPUs of one node
-(DESIGN.md §3) and more across nodes. The merge is latency-bound, and the sliced variant would pay
+(docs/design.md) and more across nodes. The merge is latency-bound, and the sliced variant would pay
 that latency G times (one collective per local GPU, on G communicators) plus an intra-node
 reduce-scatter and all-gather, to save microseconds of bandwidth. One latency-bound collective from
 the master is the right choice until gradients reach tens of MB.
@@ -60,7 +60,6 @@ import datetime
 import gc
 import math
 import os
-import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -68,11 +67,12 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .scheduling import lpt_shard
 from .data import LengthBucketSampler
 
 __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "DistributedError", "env_world_size", "timeout_from_env",
-           "init_from_env", "rank_and_world", "default_local_devices", "sample_length", "lpt_shard",
-           "CrossProcessMerge", "DistributedLengthSampler"]
+           "init_from_env", "start_from_env", "rank_and_world", "CrossProcessMerge",
+           "DistributedLengthSampler"]
 
 TIMEOUT_ENV = "VLSEQ_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -177,52 +177,14 @@ def rank_and_world() -> Tuple[int, int]:
     return 0, 1
 
 
-def default_local_devices() -> Optional[List[str]]:
-    """The GPUs this process should drive when the caller gave none (devices=None): with several
-    processes per machine (torchrun's LOCAL_WORLD_SIZE > 1), process LOCAL_RANK takes its share of
-    the visible GPUs, e.g. cuda:LOCAL_RANK for one process per GPU. None (every visible GPU) for one
-    process per machine; ["cpu"] when there is no GPU."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if local_world <= 1:
-        return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        return ["cpu"]
-    if n == 1:  # e.g. CUDA_VISIBLE_DEVICES set per process by the launcher
-        return ["cuda:0"]
-    if n < local_world:
-        raise ValueError(f"{local_world} processes on this machine (LOCAL_WORLD_SIZE) but only {n} GPUs are visible: "
-                         "NCCL needs a distinct GPU per process; start at most one process per GPU")
-    share = n // local_world
-    if n % local_world:
-        warnings.warn(f"vlseq_ext: {n} GPUs for {local_world} processes: each drives {share}, "
-                      f"{n % local_world} stay idle", RuntimeWarning)
-    return [f"cuda:{i}" for i in range(local_rank * share, (local_rank + 1) * share)]
-
-
-def sample_length(x: Any) -> int:
-    """The length L of one sample: (L, D), or (1, L, D) from a DataLoader with batch_size=1."""
-    shape = tuple(x.shape) if hasattr(x, "shape") else tuple(torch.as_tensor(x).shape)
-    return int(shape[-2]) if len(shape) >= 2 else int(shape[0]) if shape else 1
-
-
-def lpt_shard(lengths: Sequence[int], rank: int, world_size: int, devices_per_rank: int,
-              samples_per_device: int) -> List[int]:
-    """This rank's share of one global step: the positions (into `lengths`, ascending) of the
-    samples that a longest-first assignment over all world_size x devices_per_rank devices, at most
-    samples_per_device each, gives to this rank's devices (rank r owns devices r*D .. r*D+D-1).
-    Deterministic, so every rank computes the same split of the same global batch."""
-    from .trainer import assign_lpt  # the trainer imports this module lazily
-
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, {world_size})")
-    cap = devices_per_rank * world_size * samples_per_device
-    if len(lengths) > cap:
-        raise ValueError(f"a global step takes at most {cap} samples ({world_size} processes x {devices_per_rank} "
-                         f"devices x {samples_per_device}), got {len(lengths)}")
-    groups = assign_lpt([int(v) for v in lengths], devices_per_rank * world_size, samples_per_device)
-    return sorted(i for g in groups[rank * devices_per_rank:(rank + 1) * devices_per_rank] for i in g)
+def start_from_env() -> bool:
+    """Under torchrun (WORLD_SIZE > 1): initialise the default process group from the environment, gloo
+    for CPU tensors and NCCL for CUDA ones, with the VLSEQ_DIST_TIMEOUT timeout. True when this call
+    did; False when there is one process or a group already exists."""
+    dist = _dist()
+    if env_world_size() == 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    return init_from_env("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
 class CrossProcessMerge:
@@ -368,11 +330,6 @@ class CrossProcessMerge:
         if self._flag_events is not None:
             self._flag_events[slot].record(torch.cuda.current_stream(self.device))
         self.steps += 1
-
-    @property
-    def last_global_count(self) -> Tensor:
-        """The global sample count of the last all_reduce_ (a 1-element tensor on the master device)."""
-        return self._count
 
     def broadcast_from_rank0(self, tensors: List[Tensor]) -> None:
         """tensors (parameters and buffers, on the master device) <- rank 0's, in place: every rank

@@ -1,66 +1,171 @@
-"""Per-length CUDA-graph cache for the one-sample forward + backward of a replica.
+"""CUDA graphs for a replica's forward + backward: per sample length, or per padded batch shape.
 
-Why: one eager forward + backward of the seed model spends most of its wall time on the host
-(DESIGN.md §3): 1.3 ms eager vs 0.39 ms as a graph replay at L=300. A graph has fixed shapes, so
-we keep one graph per sample length. The first sample of a length runs eagerly (it is a real
-sample: its loss and gradient count) on the capture stream, which also warms up cuDNN and
-autograd for that shape; then the same computation is captured for later replays.
+Why: one eager forward + backward of a small RNN spends most of its wall time on the host
+(docs/design.md): 1.3 ms eager vs 0.39 ms as a graph replay for the seed model at L=300. A graph
+has fixed shapes, so we keep one per shape:
+- `SampleGraphs`: one graph per sample length, for any model that maps one (L, D) sample to (1, O).
+- `PaddedGraphs`: one graph per (batch size, padded length bucket), for models with
+  `forward_padded(x (B, T, D), lengths (B,))` (SeqModel has it). Bucketed lengths repeat, so a
+  few dozen graphs cover any data, and k samples run as one replay.
 
-Static state shared by all graphs of one replica (captured addresses, so it must never move):
-- `x_buf` (capacity, D): inputs are copied into x_buf[:L]; the capacity only grows, and growing
-  drops every graph (their addresses would be stale);
-- `y_buf`: the target, shaped as the first target seen;
-- `loss_acc`: a 0-dim fp32 accumulator, the graph adds the sample's loss to it;
-- the replica's `.grad` tensors, which backward accumulates into in place. The trainer owns them
-  and re-attaches them if anyone replaces them (e.g. optimizer.zero_grad(set_to_none=True)).
-All graphs of a replica share one memory pool: each graph's intermediates die at the end of its
-capture, and graphs only ever replay one at a time on one stream, so they can reuse the same
-memory; the pool is about one graph's footprint, not the sum.
+The first time a shape is seen it runs eagerly (a real step: its loss and gradient count), which
+also warms up cuDNN and autograd for that shape; then the same computation is captured.
+
+Static state (captured addresses, so it must never move): the input/target buffers of each
+shape, the loss accumulator, and the module's `.grad` tensors, which backward accumulates into
+in place (the trainer owns them and re-attaches them if anyone replaces them). All graphs of one
+cache share a memory pool: they replay one at a time on the cache's stream, so each graph's
+intermediates can reuse the same memory. Two caches never share a pool: their streams may run
+at the same time.
+
+Captures use capture_error_mode="thread_local" because each device's work, captures included,
+is issued by its own thread: another device's thread may allocate or synchronise meanwhile.
 """
 from __future__ import annotations
 
-import contextlib
+import time
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+__all__ = ["capture", "SampleGraphs", "PaddedGraphs", "padded_length"]
+
+# Padded lengths are rounded up to a multiple of this: at most 31 wasted steps per batch (6% of a
+# 275-step mean at the default data), and 16 graphs cover lengths 1-512.
+PAD_BUCKET = 32
 
 
-class GraphCache:
-    """Runs one sample's forward + backward on `replica` (on `device`), through a cached CUDA
-    graph per length when possible, else eagerly. Adds the loss to `loss_acc` and the gradient
-    to the replica's grads."""
+def padded_length(max_len: int) -> int:
+    return -(-max_len // PAD_BUCKET) * PAD_BUCKET
 
-    def __init__(self, replica: nn.Module, device: torch.device, loss_of: Callable[[Tensor, Tensor], Tensor],
-                 autocast: Callable[[], contextlib.AbstractContextManager], loss_acc: Tensor,
-                 dtype: torch.dtype = torch.float32, max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
-        self.replica = replica
+
+def _rng_usable(device: torch.device) -> bool:
+    try:
+        torch.empty(1, device=device).uniform_()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _repair_rng(device: torch.device, backup: torch.Generator) -> None:
+    """A capture that fails leaves the device's default generator marked as capturing, and then
+    every random op in the process fails ("Offset increment outside graph capture"). An empty
+    capture runs the generator's capture prologue and epilogue on the same state that every
+    captured graph uses, which clears the mark. If that does not help, the generator gets a fresh
+    copy of its pre-capture state, moved far ahead so that it never repeats numbers that graphs
+    registered with the old state still draw."""
+    if _rng_usable(device):
+        return
+    side = torch.cuda.Stream(device)
+    with warnings.catch_warnings(), torch.cuda.stream(side):
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        try:
+            empty = torch.cuda.CUDAGraph()
+            empty.capture_begin(capture_error_mode="thread_local")
+            empty.capture_end()
+            del empty
+        except RuntimeError:
+            pass
+    if _rng_usable(device):
+        return
+    gen = torch.cuda.default_generators[device.index]
+    gen.graphsafe_set_state(backup)
+    gen.set_offset(backup.get_offset() + (1 << 44))
+
+
+def capture(fn: Callable[[], None], device: torch.device, pool) -> torch.cuda.CUDAGraph:
+    """Capture fn() (queued on the current stream, which must not be the default stream) as a graph.
+    On any failure the capture is ended, the process's RNG left usable, and the error re-raised."""
+    gen = torch.cuda.default_generators[device.index]
+    backup = gen.clone_state()
+    graph = torch.cuda.CUDAGraph()
+    error: Optional[BaseException] = None
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        fn()
+    except BaseException as exc:  # noqa: B036 - the capture must end whatever happened
+        error = exc
+    try:
+        graph.capture_end()
+    except BaseException as exc:  # noqa: B036
+        error = error or exc
+    if error is not None:
+        del graph
+        _repair_rng(device, backup)
+        raise error
+    return graph
+
+
+class _Cache:
+    """What both caches share: the graph pool, the bounds and the counters."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream, max_graphs: int,
+                 max_bytes: Optional[int]) -> None:
         self.device = device
-        self.loss_of = loss_of  # (output (1, O), target) -> 0-dim loss
-        self.autocast = autocast
-        self.loss_acc = loss_acc
-        self.dtype = dtype  # of the static input buffer: the replica's parameter dtype
+        self.stream = stream
         self.max_graphs = max_graphs
         self.max_bytes = max_bytes if max_bytes is not None else int(
             0.1 * torch.cuda.get_device_properties(device).total_memory)
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.x_buf: Optional[Tensor] = None
-        self.y_buf: Optional[Tensor] = None
         self.pool = None
-        self.stream = torch.cuda.Stream(device)
         self.graph_bytes = 0
         self.captures = 0
         self.replays = 0
         self.eager_runs = 0
+        self.capture_seconds = 0.0  # eager first runs + captures: the warm-up cost
+        self.failed: Optional[str] = None
 
-    # -- static buffers -------------------------------------------------------------------
-    def _ensure_buffers(self, x: Tensor, y: Tensor) -> bool:
-        """Make x_buf/y_buf fit this sample; returns False when the sample cannot use graphs
-        (a target shape or dtype other than the captured one)."""
+    def _eager_then_capture(self, step: Callable[[], None], n_graphs: int) -> Optional[torch.cuda.CUDAGraph]:
+        """Run `step` eagerly (a real step), then capture it; None when it is not captured."""
+        t0 = time.perf_counter()
+        step()
+        self.eager_runs += 1
+        graph = None
+        if self.failed is None and n_graphs < self.max_graphs and self.graph_bytes < self.max_bytes:
+            before = torch.cuda.memory_reserved(self.device)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            try:
+                graph = capture(step, self.device, self.pool)
+                self.captures += 1
+                self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+            except RuntimeError as exc:  # a model that cannot be captured stays eager
+                self.failed = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                warnings.warn(f"vlseq_ext: CUDA-graph capture failed on {self.device} ({self.failed}); "
+                              "running this replica eagerly", RuntimeWarning)
+        self.capture_seconds += time.perf_counter() - t0
+        return graph
+
+    def stats(self) -> Dict[str, int]:
+        return {"graphs": self.num_graphs(), "captures": self.captures, "replays": self.replays,
+                "eager_runs": self.eager_runs, "graph_bytes": self.graph_bytes}
+
+    def num_graphs(self) -> int:
+        raise NotImplementedError
+
+
+class SampleGraphs(_Cache):
+    """One sample's forward + backward on `module`, through a graph per length. Queued on
+    `stream` (the caller makes it wait for the step's start and waits for it at the end)."""
+
+    def __init__(self, module: nn.Module, device: torch.device, loss_of: Callable[[Tensor, Tensor], Tensor],
+                 autocast: Callable, loss_acc: Tensor, stream: torch.cuda.Stream, dtype: torch.dtype,
+                 max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
+        super().__init__(device, stream, max_graphs, max_bytes)
+        self.module, self.loss_of, self.autocast, self.loss_acc, self.dtype = module, loss_of, autocast, loss_acc, dtype
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.x_buf: Optional[Tensor] = None
+        self.y_buf: Optional[Tensor] = None
+
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    def _fits(self, x: Tensor, y: Tensor) -> bool:
+        """Make x_buf/y_buf fit this sample; False when it cannot use graphs (a target shape or
+        dtype other than the captured one)."""
         L, D = x.shape
-        if not x.is_floating_point():
-            return False
         if self.y_buf is None:
             self.y_buf = torch.empty(y.shape, dtype=y.dtype, device=self.device)
         elif self.y_buf.shape != y.shape or self.y_buf.dtype != y.dtype:
@@ -68,28 +173,25 @@ class GraphCache:
         if self.x_buf is None or self.x_buf.shape[0] < L or self.x_buf.shape[1] != D:
             cap = max(L, 2 * self.x_buf.shape[0] if self.x_buf is not None else 512)
             self.graphs.clear()  # captured addresses point at the old buffer
-            self.pool = None
-            self.graph_bytes = 0
+            self.pool, self.graph_bytes = None, 0
             self.x_buf = torch.zeros(cap, D, dtype=self.dtype, device=self.device)
         return True
 
-    # -- one sample -----------------------------------------------------------------------
-    def _forward_backward(self, x: Tensor, y: Tensor) -> None:
+    def _step(self, x: Tensor, y: Tensor) -> None:
         with self.autocast():
-            out = self.replica(x)
+            out = self.module(x)
         loss = self.loss_of(out.float(), y)
         loss.backward()
         self.loss_acc.add_(loss.detach())
 
     def run(self, x: Tensor, y: Tensor) -> None:
-        """x: (L, D) on any device (pinned CPU memory keeps the copy asynchronous); y: the sample's
-        target shaped like a one-sample batch. Queued on the current stream: one copy for x, one
-        for y, and a graph replay (or the eager pass plus a capture, the first time a length is seen)."""
-        L = x.shape[0]
-        if not self._ensure_buffers(x, y):
+        """x: (L, D) on any device; y: the target shaped like a one-sample batch. Must be called
+        with `stream` current."""
+        if not self._fits(x, y):
             self.eager_runs += 1
-            self._forward_backward(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            self._step(x.to(self.device, self.dtype, non_blocking=True), y.to(self.device, non_blocking=True))
             return
+        L = x.shape[0]
         xs = self.x_buf[:L]
         xs.copy_(x, non_blocking=True)
         self.y_buf.copy_(y, non_blocking=True)
@@ -98,41 +200,71 @@ class GraphCache:
             graph.replay()
             self.replays += 1
             return
-        self._eager_then_capture(xs, self.y_buf)
+        graph = self._eager_then_capture(lambda: self._step(xs, self.y_buf), len(self.graphs))
+        if graph is not None:
+            self.graphs[L] = graph
 
-    def _eager_then_capture(self, x: Tensor, y: Tensor) -> None:
-        L = x.shape[0]
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            # The real computation for this sample, on the side stream (warm-up for the capture).
-            self._forward_backward(x, y)
-            self.eager_runs += 1
-            if len(self.graphs) < self.max_graphs and self.graph_bytes < self.max_bytes:
-                try:
-                    self._capture(L)
-                except RuntimeError as exc:  # a model that cannot be captured stays eager
-                    self.max_graphs = 0
-                    warnings.warn(f"vlseq_ext: CUDA-graph capture failed on {self.device} ({exc}); "
-                                  "running this replica eagerly", RuntimeWarning)
-        current.wait_stream(self.stream)
 
-    def _capture(self, L: int) -> None:
-        before = torch.cuda.memory_reserved(self.device)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # Not torch.cuda.graph(): that context runs gc.collect() and empty_cache() per capture,
-        # which would dominate the cost of hundreds of small captures.
-        graph.capture_begin(pool=self.pool)
-        try:
-            self._forward_backward(self.x_buf[:L], self.y_buf)
-        finally:
-            graph.capture_end()
-        self.graphs[L] = graph
-        self.captures += 1
-        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+class _PaddedEntry:
+    __slots__ = ("x", "lengths", "y", "graph")
 
-    def stats(self) -> Dict[str, int]:
-        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays,
-                "eager_runs": self.eager_runs, "graph_bytes": self.graph_bytes}
+    def __init__(self, x: Tensor, lengths: Tensor, y: Tensor) -> None:
+        self.x, self.lengths, self.y, self.graph = x, lengths, y, None
+
+
+class PaddedGraphs(_Cache):
+    """k samples' forward + backward as one replay: the batch is zero-padded to a bucketed length
+    T and run through `module.forward_padded(x, lengths)`, whose result for each sample equals
+    its own forward (the model's promise; SeqModel keeps it by reading each sample's state at its
+    own last step). Queued on `stream`."""
+
+    def __init__(self, module: nn.Module, device: torch.device, per_sample_loss: Callable[[Tensor, Tensor], Tensor],
+                 autocast: Callable, loss_acc: Tensor, stream: torch.cuda.Stream, dtype: torch.dtype,
+                 max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
+        super().__init__(device, stream, max_graphs, max_bytes)
+        self.module, self.per_sample_loss, self.autocast = module, per_sample_loss, autocast
+        self.loss_acc, self.dtype = loss_acc, dtype
+        self.entries: Dict[Tuple[int, int], _PaddedEntry] = {}
+
+    def num_graphs(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+    def _step(self, e: _PaddedEntry) -> None:
+        with self.autocast():
+            out = self.module.forward_padded(e.x, e.lengths)
+        loss = self.per_sample_loss(out.float(), e.y).sum()
+        loss.backward()
+        self.loss_acc.add_(loss.detach())
+
+    def run(self, xs: List[Tensor], y: Tensor) -> None:
+        """xs: B samples (L_i, D); y: their stacked targets (B, ...). Must be called with `stream`
+        current."""
+        lengths = [x.shape[0] for x in xs]
+        B, T = len(xs), padded_length(max(lengths))
+        e = self.entries.get((B, T))
+        if e is None or e.y.shape != y.shape or e.y.dtype != y.dtype:
+            if e is not None:  # another target layout: keep the graph, run this one eagerly
+                e = _PaddedEntry(torch.empty_like(e.x), torch.empty_like(e.lengths), y.to(self.device))
+                self._fill(e, xs, lengths, y)
+                self.eager_runs += 1
+                self._step(e)
+                return
+            e = _PaddedEntry(torch.empty(B, T, xs[0].shape[1], dtype=self.dtype, device=self.device),
+                             torch.empty(B, dtype=torch.int64, device=self.device),
+                             torch.empty(y.shape, dtype=y.dtype, device=self.device))
+            self.entries[(B, T)] = e
+        self._fill(e, xs, lengths, y)
+        if e.graph is not None:
+            e.graph.replay()
+            self.replays += 1
+            return
+        e.graph = self._eager_then_capture(lambda: self._step(e), self.num_graphs())
+
+    @staticmethod
+    def _fill(e: _PaddedEntry, xs: List[Tensor], lengths: List[int], y: Tensor) -> None:
+        L = max(lengths)
+        e.x[:, :L].copy_(pad_sequence(xs, batch_first=True), non_blocking=True)
+        if L < e.x.shape[1]:
+            e.x[:, L:].zero_()
+        e.lengths.copy_(torch.tensor(lengths, dtype=torch.int64), non_blocking=True)
+        e.y.copy_(y, non_blocking=True)

@@ -5,6 +5,7 @@ from typing import Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_sequence
 
 
@@ -18,6 +19,10 @@ class SeqModel(nn.Module):
 
     The prediction is the head applied to the last layer's final hidden state (both directions
     concatenated when bidirectional). State-dict keys match the seed (`lstm.*`, `fc.*`).
+
+    forward_padded(x (B, T, D), lengths (B,)) gives the same result as forward on the list of
+    x[i, :lengths[i]], with fixed shapes, so the trainer can replay it as one CUDA graph per
+    (B, bucketed T) (vlseq_ext.graphs.PaddedGraphs).
     """
 
     def __init__(self, input_dim: int = 36, hidden_dim: int = 64, output_dim: int = 1, num_layers: int = 1,
@@ -55,3 +60,45 @@ class SeqModel(nn.Module):
         last = h_n[-self.directions:]
         feat = last[0] if self.directions == 1 else torch.cat([last[0], last[1]], dim=-1)
         return self.fc(feat)
+
+    def forward_padded(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """x: (B, T, D), each sample zero-padded after its end; lengths: (B,) int64 on x's device, each
+        in 1..T. Returns (B, output_dim), sample i equal to forward(x[i, :lengths[i]]).
+
+        Exact because an RNN's output at step t depends on steps <= t only: the forward direction
+        runs over the padding too, and each sample's state is read at its own last step. The
+        reverse direction cannot start in the padding, so for bidirectional models each sample's
+        steps are reversed within its own length first (a gather), run forward, and put back."""
+        last = (lengths - 1).view(-1, 1, 1)
+        if self.directions == 1:
+            out = self.recurrent(x)[0]  # (B, T, H): the last layer's state at every step
+            return self.fc(out.gather(1, last.expand(-1, 1, out.shape[-1])).squeeze(1))
+        steps = torch.arange(x.shape[1], device=x.device)
+        rev = (lengths.view(-1, 1) - 1 - steps.view(1, -1)).clamp_(min=0).unsqueeze(-1)  # (B, T, 1)
+
+        def flip(z: Tensor) -> Tensor:  # reverse each sample within its own length
+            return z.gather(1, rev.expand(-1, -1, z.shape[-1]))
+
+        inp = x
+        rnn = self.recurrent
+        for layer in range(rnn.num_layers):
+            fwd = self._one_direction(inp, layer, "")
+            bwd_reversed = self._one_direction(flip(inp), layer, "_reverse")
+            if layer == rnn.num_layers - 1:
+                pick = last.expand(-1, 1, fwd.shape[-1])
+                feat = torch.cat([fwd.gather(1, pick), bwd_reversed.gather(1, pick)], dim=-1).squeeze(1)
+                return self.fc(feat)
+            inp = torch.cat([fwd, flip(bwd_reversed)], dim=-1)
+            if rnn.dropout and self.training:
+                inp = F.dropout(inp, rnn.dropout, training=True)
+        raise AssertionError("unreachable")
+
+    def _one_direction(self, x: Tensor, layer: int, suffix: str) -> Tensor:
+        """One layer, one direction of the recurrent module, with its own weights: (B, T, H)."""
+        rnn = self.recurrent
+        w = [getattr(rnn, f"{name}_l{layer}{suffix}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+             if hasattr(rnn, f"{name}_l{layer}{suffix}")]
+        h0 = x.new_zeros(1, x.shape[0], rnn.hidden_size)
+        if isinstance(rnn, nn.LSTM):
+            return torch._VF.lstm(x, (h0, h0), w, rnn.bias, 1, 0.0, self.training, False, True)[0]
+        return torch._VF.gru(x, h0, w, rnn.bias, 1, 0.0, self.training, False, True)[0]

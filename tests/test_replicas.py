@@ -1,4 +1,4 @@
-"""vlseq_ext.comm.GradientMerger on CPU "devices" (deep copies of one model) and, under
+"""vlseq_ext.replicas.GradientMerger on CPU "devices" (deep copies of one model) and, under
 requires_2gpu, on cuda:0 and cuda:1.
 
 The oracle is computed separately in float64: every copy's grads are saved after its own backward,
@@ -16,7 +16,8 @@ from helpers import assert_same_bits, bits
 import torch.nn.functional as F
 from torch import nn
 
-from vlseq_ext.comm import GradientMerger
+from vlseq_ext import ops
+from vlseq_ext.replicas import GradientMerger
 from vlseq_ext.models import SeqModel
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
@@ -25,6 +26,15 @@ MODELS = {
     "lstm": lambda: SeqModel(),
     "gru2bi": lambda: SeqModel(rnn="gru", num_layers=2, bidirectional=True, hidden_dim=16),
 }
+
+
+def flat_pipeline_merge(params_per_device, scale: float) -> None:
+    """The classic pipeline, from the ops: flatten per device, all_reduce_, unflatten_ with the scale."""
+    grads = [[p.grad for p in ps] for ps in params_per_device]
+    flats = [ops.flatten(gs) for gs in grads]
+    ops.all_reduce_(flats, "sum")
+    for gs, flat in zip(grads, flats):
+        ops.unflatten_(flat, gs, scale)
 
 
 def make_replicas(rand, kind: str, devices):
@@ -69,16 +79,15 @@ def assert_merged(replicas, per_copy, scale: float) -> None:
 
 
 @pytest.mark.parametrize("scale", [1.0, 1.0 / 3.0])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "flat"])
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_merge_equals_scaled_sum(kind, ndev, fused, scale, rand):
+def test_merge_equals_scaled_sum(kind, ndev, scale, rand):
     replicas = make_replicas(rand, kind, ["cpu"] * ndev)
     backward_each(rand, replicas)
     per_copy = grads64(replicas)
     if ndev > 1:
         assert not torch.equal(per_copy[0][0], per_copy[1][0]), "copies should have different grads"
-    merger = GradientMerger([list(m.parameters()) for m in replicas], fused=fused)
+    merger = GradientMerger([list(m.parameters()) for m in replicas])
     merger.merge(scale)
     assert_merged(replicas, per_copy, scale)
 
@@ -86,29 +95,28 @@ def test_merge_equals_scaled_sum(kind, ndev, fused, scale, rand):
 @pytest.mark.parametrize("scale", [1.0, 0.1])
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_fused_and_flat_pipelines_agree(kind, ndev, scale, rand):
+def test_fused_merge_and_flat_op_pipeline_agree(kind, ndev, scale, rand):
     a = make_replicas(rand, kind, ["cpu"] * ndev)
     backward_each(rand, a)
     b = [copy.deepcopy(m) for m in a]
     for ma, mb in zip(a, b):
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             pb.grad = pa.grad.clone()
-    GradientMerger([list(m.parameters()) for m in a], fused=True).merge(scale)
-    GradientMerger([list(m.parameters()) for m in b], fused=False).merge(scale)
+    GradientMerger([list(m.parameters()) for m in a]).merge(scale)
+    flat_pipeline_merge([list(m.parameters()) for m in b], scale)
     for d, (ma, mb) in enumerate(zip(a, b)):
         for p, (pa, pb) in enumerate(zip(ma.parameters(), mb.parameters())):
             assert_same_bits(pa.grad, pb.grad, f"device {d} parameter {p}: fused vs flat")
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "flat"])
-def test_none_grad_counts_as_zeros(fused, rand):
+def test_none_grad_counts_as_zeros(rand):
     replicas = make_replicas(rand, "lstm", ["cpu"] * 3)
     backward_each(rand, replicas)
     replicas[1].fc.bias.grad = None                 # missing on one device
     for m in replicas:
         m.fc.weight.grad = None                     # missing everywhere
     per_copy = grads64(replicas)                    # None -> zeros
-    merger = GradientMerger([list(m.parameters()) for m in replicas], fused=fused)
+    merger = GradientMerger([list(m.parameters()) for m in replicas])
     merger.merge(0.5)
     assert_merged(replicas, per_copy, 0.5)
     for m in replicas:
@@ -125,12 +133,11 @@ def test_none_grad_counts_as_zeros(fused, rand):
     assert all(m.fc.bias.grad is k for m, k in zip(replicas, kept))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "flat"])
-def test_merge_after_zero_grad_set_to_none(fused, rand):
+def test_merge_after_zero_grad_set_to_none(rand):
     """New .grad objects (optimizer.zero_grad(set_to_none=True)) must be picked up, not the
     cached old ones."""
     replicas = make_replicas(rand, "gru2bi", ["cpu"] * 2)
-    merger = GradientMerger([list(m.parameters()) for m in replicas], fused=fused)
+    merger = GradientMerger([list(m.parameters()) for m in replicas])
     for step in range(3):
         for m in replicas:
             m.zero_grad(set_to_none=True)
@@ -230,8 +237,8 @@ def test_merge_2gpu(kind, scale, rand):
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             pb.grad = pa.grad.clone()
     per_copy = grads64(a)
-    GradientMerger([list(m.parameters()) for m in a], fused=True).merge(scale)
-    GradientMerger([list(m.parameters()) for m in b], fused=False).merge(scale)
+    GradientMerger([list(m.parameters()) for m in a]).merge(scale)
+    flat_pipeline_merge([list(m.parameters()) for m in b], scale)
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     assert_merged(a, per_copy, scale)

@@ -1,0 +1,81 @@
+"""Checks of a step's samples and targets, before any work, so that bad input changes nothing
+and the error names the sample and the problem."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets"]
+
+
+def model_input_dim(model: nn.Module) -> Optional[int]:
+    dim = getattr(model, "input_dim", None)
+    if isinstance(dim, int):
+        return dim
+    for m in model.modules():
+        if isinstance(m, nn.RNNBase):
+            return m.input_size
+    return None
+
+
+def as_tensor(x: Any, what: str) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{what} is not a tensor ({exc})") from None
+
+
+def check_samples(samples: Sequence[Any], targets: Any, input_dim: Optional[int], max_samples: int,
+                  allow_empty: bool = False) -> Tuple[List[Tensor], List[Tensor]]:
+    """(samples, targets) -> lists of (L, D) float tensors and their targets."""
+    if isinstance(samples, Tensor) or not isinstance(samples, (list, tuple)):
+        raise ValueError("samples must be a list of (L, D) tensors")
+    if len(samples) == 0 and not allow_empty:
+        raise ValueError("empty step: no samples")
+    if isinstance(targets, Tensor):
+        targets = list(targets) if targets.dim() > 0 and targets.shape[0] == len(samples) else [targets]
+    if len(targets) != len(samples):
+        raise ValueError(f"got {len(samples)} samples but {len(targets)} targets")
+    if len(samples) > max_samples:
+        raise ValueError(f"got {len(samples)} samples but a step takes at most {max_samples}")
+    xs, ys = [], []
+    for i, (x, y) in enumerate(zip(samples, targets)):
+        x = as_tensor(x, f"sample {i}")
+        y = as_tensor(y, f"target {i}")
+        if x.dim() == 3 and x.shape[0] == 1:  # a DataLoader(batch_size=1) sample
+            x = x[0]
+        if x.dim() != 2:
+            raise ValueError(f"sample {i} has shape {tuple(x.shape)}; expected (length, features)")
+        if x.shape[0] == 0:
+            raise ValueError(f"sample {i} has length 0")
+        if input_dim is not None and x.shape[1] != input_dim:
+            raise ValueError(f"sample {i} has {x.shape[1]} features, model expects {input_dim}")
+        if not x.is_floating_point():
+            raise ValueError(f"sample {i} has dtype {x.dtype}; expected a floating-point tensor")
+        if y.numel() == 0:
+            raise ValueError(f"target {i} is empty")
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def check_targets(ys: List[Tensor], output_shape: Tuple[int, ...]) -> None:
+    """Each target must fit the model's one-sample output (1, O): O values for a float target, one
+    class index in [0, O) for an integer target. Torch would broadcast a mismatch with only a
+    warning and train on the wrong loss."""
+    out_dim = output_shape[-1] if output_shape else 1
+    for i, y in enumerate(ys):
+        if y.is_floating_point():
+            if y.numel() != out_dim:
+                raise ValueError(f"target {i} has shape {tuple(y.shape)} but the model's output for one sample has "
+                                 f"shape {tuple(output_shape)}: give {out_dim} value(s) per sample")
+        elif y.numel() != 1:
+            raise ValueError(f"target {i} has shape {tuple(y.shape)}: a class-index target is one integer per sample "
+                             f"(the model's output for one sample has shape {tuple(output_shape)})")
+        elif y.device.type == "cpu" and not 0 <= int(y.reshape(())) < out_dim:
+            raise ValueError(f"target {i} is class {int(y.reshape(()))} but the model outputs {out_dim} classes "
+                             f"(0..{out_dim - 1})")
