@@ -1,0 +1,305 @@
+"""The trainer's execution paths against the float64 per-sample reference: packed, padded graphs,
+per-sample graphs on several lanes (streams) per device, one issuing thread per device; races
+(repeat the same step many times: the bits must not move); capture failures and the RNG.
+
+CPU tests run everywhere (the threads, lanes and folding run on CPU replicas too); GPU tests need
+two GPUs and run with TF32 off.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from vlseq_ext import ParallelTrainer, SeqModel
+
+requires_2gpu = pytest.mark.requires_2gpu
+
+
+class OneSampleLSTM(nn.Module):
+    """The seed's style: forward takes one (L, D) sample only and cannot be packed."""
+
+    def __init__(self, dim: int = 6, hidden: int = 8, layers: int = 1, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(dim, hidden, num_layers=layers, batch_first=True, dropout=dropout)
+        self.fc = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x.unsqueeze(0))
+        return self.fc(out[:, -1])
+
+
+class HostReadModel(OneSampleLSTM):
+    """Reads a value on the host to pick a branch: cannot be captured as a CUDA graph."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * 2 if float(x[0, 0]) > 0 else out
+
+
+class DropoutHostReadModel(HostReadModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return super().forward(self.drop(x))
+
+
+class DropoutModel(OneSampleLSTM):
+    def __init__(self) -> None:
+        super().__init__(layers=2, dropout=0.3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return super().forward(self.drop(x))
+
+
+MODELS = {
+    "list_lstm2": lambda: SeqModel(input_dim=6, hidden_dim=8, num_layers=2),
+    "list_bigru2": lambda: SeqModel(input_dim=6, hidden_dim=8, num_layers=2, rnn="gru", bidirectional=True),
+    "one_lstm": OneSampleLSTM,
+}
+
+
+def batch(n: int, gen: torch.Generator, dim: int = 6, max_len: int = 40):
+    lengths = torch.randint(1, max_len, (n,), generator=gen).tolist()
+    return [torch.randn(L, dim, generator=gen) for L in lengths], [torch.randn(1, generator=gen) for _ in lengths]
+
+
+def reference(model: nn.Module, xs, ys, reduction: str):
+    ref = copy.deepcopy(model).double().cpu()
+    for x, y in zip(xs, ys):
+        loss = nn.MSELoss()(ref(x.double()), y.double().reshape(1, 1))
+        (loss / (len(xs) if reduction == "mean" else 1)).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def assert_close_to(model: nn.Module, ref, rtol: float) -> None:
+    for name, p in model.named_parameters():
+        err = (p.grad.double().cpu() - ref[name]).norm().item()
+        assert err <= rtol * ref[name].norm().item() + 1e-9, f"{name}: relative error {err / ref[name].norm().item():.2e}"
+
+
+def grads_of(model: nn.Module):
+    return [p.grad.detach().cpu().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("k,n", [(1, 2), (3, 6), (3, 5), (8, 16), (8, 11)])
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_cpu_lanes_and_threads_match_float64(model_name, lanes, k, n, reduction):
+    """Two CPU replicas (one thread each), k samples each on `lanes` gradient sets, short tails."""
+    gen = torch.Generator().manual_seed(k * 100 + n + lanes)
+    torch.manual_seed(gen.initial_seed())
+    model = MODELS[model_name]()
+    xs, ys = batch(n, gen)
+    ref = reference(model, xs, ys, reduction)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2",
+                              samples_per_device=k, reduction=reduction, pack=False, lanes=lanes)
+    trainer.compute_gradients(xs, ys)
+    assert_close_to(model, ref, 1e-5)
+    assert len(trainer.replicas.lanes[0]) == lanes
+
+
+def test_cpu_lanes_share_weights_after_steps():
+    """Extra lanes alias their replica's weights: after optimizer steps and the broadcast they
+    still compute with the master's weights (checked through the gradient)."""
+    gen = torch.Generator().manual_seed(5)
+    model = OneSampleLSTM()
+    trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(), devices="cpu:2",
+                              samples_per_device=3, pack=False, lanes=3)
+    for _ in range(4):
+        trainer.step(*batch(6, gen))
+    for lanes in trainer.replicas.lanes:
+        for lane in lanes:
+            for p, q in zip(lane.params, model.parameters()):
+                assert torch.equal(p.detach(), q.detach())
+    xs, ys = batch(6, gen)
+    ref = reference(model, xs, ys, "sum")
+    trainer.compute_gradients(xs, ys)
+    assert_close_to(model, ref, 1e-5)
+
+
+def test_cpu_threaded_steps_repeat_bit_for_bit():
+    """A race between device threads would move the bits: 1,000 merges of the same step must all
+    be identical (and equal the float64 reference)."""
+    gen = torch.Generator().manual_seed(9)
+    model = SeqModel(input_dim=6, hidden_dim=8)
+    xs, ys = batch(6, gen, max_len=12)
+    ref = reference(model, xs, ys, "mean")
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:3",
+                              samples_per_device=2, reduction="mean", pack=False, lanes=2)
+    trainer.compute_gradients(xs, ys)
+    first = grads_of(model)
+    assert_close_to(model, ref, 1e-5)
+    for i in range(1000):
+        trainer.compute_gradients(xs, ys)
+        for a, b in zip(first, model.parameters()):
+            assert torch.equal(a, b.grad), f"merge {i} differs"
+
+
+def test_cpu_deterministic_runs_are_identical():
+    def run():
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1)
+        model = OneSampleLSTM()
+        trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(),
+                                  devices="cpu:2", samples_per_device=3, pack=False, lanes=2)
+        losses = [trainer.step(*batch(6, gen)).item() for _ in range(5)]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (la, pa), (lb, pb) = run(), run()
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_target_that_does_not_fit_the_output_is_named():
+    model = SeqModel(input_dim=6, hidden_dim=8)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu")
+    with pytest.raises(ValueError, match=r"target 0 has shape \(3,\) but the model's output for one sample has "
+                                         r"shape \(1, 1\)"):
+        trainer.step([torch.randn(5, 6)], [torch.randn(3)])
+    classifier = SeqModel(input_dim=6, hidden_dim=8, output_dim=3)
+    trainer = ParallelTrainer(classifier, torch.optim.SGD(classifier.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                              devices="cpu")
+    with pytest.raises(ValueError, match=r"target 0 is class 7 but the model outputs 3 classes"):
+        trainer.step([torch.randn(5, 6)], [torch.tensor(7)])
+
+
+def test_evaluate_and_load_state_dict_reject_bad_input():
+    model = SeqModel(input_dim=6, hidden_dim=8)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu")
+    with pytest.raises(ValueError, match="evaluate: no samples"):
+        trainer.evaluate([])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['foo'\]"):
+        trainer.load_state_dict({"foo": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@requires_2gpu
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("k,n", [(1, 2), (3, 6), (3, 5), (8, 16), (8, 13)])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_gpu_paths_match_float64(model_name, k, n, reduction, no_tf32):
+    """List models run as padded graphs, the one-sample model as per-sample graphs on min(k, 4)
+    lanes; both threaded over two GPUs. Twice: the second pass replays."""
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    torch.manual_seed(gen.initial_seed())
+    model = MODELS[model_name]()
+    xs, ys = batch(n, gen)
+    ref = reference(model, xs, ys, reduction)
+    model.cuda(0)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=2,
+                              samples_per_device=k, reduction=reduction)
+    for _ in range(2):
+        trainer.compute_gradients(xs, ys)
+    assert_close_to(model, ref, 3e-5)
+    assert trainer._plan == ("per_sample" if model_name.startswith("one") else "padded")
+    assert sum(s["replays"] for s in trainer.graph_stats()) > 0
+
+
+@requires_2gpu
+@pytest.mark.parametrize("model_name", ["list_lstm2", "one_lstm"])
+def test_gpu_stress_1000_steps_same_bits(model_name, no_tf32):
+    gen = torch.Generator().manual_seed(3)
+    model = MODELS[model_name]().cuda(0)
+    xs, ys = batch(16, gen)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=2,
+                              samples_per_device=8, reduction="mean")
+    ref = reference(model, xs, ys, "mean")
+    trainer.compute_gradients(xs, ys)
+    first = grads_of(model)
+    assert_close_to(model, ref, 3e-5)
+    for i in range(1000):
+        trainer.compute_gradients(xs, ys)
+        if i % 100 == 99 or i < 3:
+            for a, b in zip(first, model.parameters()):
+                assert torch.equal(a, b.grad.cpu()), f"step {i} differs"
+
+
+@requires_2gpu
+@pytest.mark.parametrize("model_name", ["list_bigru2", "one_lstm"])
+def test_gpu_deterministic_runs_identical_bits(model_name):
+    def run():
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(4)
+        model = MODELS[model_name]().cuda(0)
+        trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), nn.MSELoss(),
+                                  devices=2, samples_per_device=3)
+        losses = [trainer.step(*batch(6, gen)) for _ in range(6)]
+        return [float(v) for v in losses], [p.detach().cpu().clone() for p in model.parameters()]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        (la, pa), (lb, pb) = run(), run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+@requires_2gpu
+def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
+    """One process, in order: a model that cannot be captured (warns, trains eagerly, right
+    gradients); then dropout models with graphs on and off at k = 1 and 2 on both GPUs, plain
+    dropout ops, a fresh dropout mask at every replay, and a model that mixes dropout with a host
+    read."""
+    gen = torch.Generator().manual_seed(11)
+    model = HostReadModel().cuda(0)
+    xs, ys = batch(4, gen)
+    ref = reference(model, xs, ys, "sum")
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=2,
+                              samples_per_device=2)
+    with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
+        trainer.compute_gradients(xs, ys)
+    assert_close_to(model, ref, 3e-5)
+
+    for dev in (0, 1):  # every device's generator still works
+        torch.nn.functional.dropout(torch.ones(100, device=f"cuda:{dev}"), 0.5)
+        torch.rand(3, device=f"cuda:{dev}")
+    for graphs in (True, False):
+        for k in (1, 2):
+            m = DropoutModel().cuda(0)
+            t = ParallelTrainer(m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.MSELoss(), devices=2,
+                                samples_per_device=k, cuda_graphs=graphs)
+            for _ in range(3):
+                loss = t.step(*batch(2 * k, gen))
+            assert torch.isfinite(loss)
+
+    # fresh masks per replay: the same sample, replayed, gives different losses
+    m = DropoutModel().cuda(0)
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.MSELoss(), devices=2)
+    x, y = torch.randn(20, 6, generator=gen), torch.randn(1, generator=gen)
+    losses = {float(t.compute_gradients([x, x], [y, y])) for _ in range(6)}
+    assert sum(s["replays"] for s in t.graph_stats()) > 0
+    assert len(losses) > 3, f"dropout masks repeat across replays: {losses}"
+
+    m = DropoutHostReadModel().cuda(0)
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.MSELoss(), devices=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            assert torch.isfinite(t.step(*batch(2, gen)))
+    torch.nn.functional.dropout(torch.ones(10, device="cuda:0"), 0.5)
