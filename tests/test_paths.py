@@ -8,6 +8,7 @@ two GPUs and run with TF32 off.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -251,6 +252,7 @@ def test_gpu_deterministic_runs_identical_bits(model_name):
         losses = [trainer.step(*batch(6, gen)) for _ in range(6)]
         return [float(v) for v in losses], [p.detach().cpu().clone() for p in model.parameters()]
 
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
     torch.use_deterministic_algorithms(True)
     try:
         (la, pa), (lb, pb) = run(), run()
