@@ -292,14 +292,14 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
 
     # fresh masks per replay: the same sample, replayed, gives different losses
     m = DropoutModel().cuda(0)
-    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.MSELoss(), devices=2)
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.MSELoss(), devices="all")
     x, y = torch.randn(20, 6, generator=gen), torch.randn(1, generator=gen)
     losses = {float(t.compute_gradients([x, x], [y, y])) for _ in range(6)}
     assert sum(s["replays"] for s in t.graph_stats()) > 0
     assert len(losses) > 3, f"dropout masks repeat across replays: {losses}"
 
     m = DropoutHostReadModel().cuda(0)
-    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.MSELoss(), devices=2)
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.MSELoss(), devices="all")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(3):
