@@ -1,8 +1,8 @@
 // The CUDA implementations behind the op entry points of csrc/cuda/ops_cuda.cpp. They expect
-// input that has already been validated: every user-facing check (and so every exception a
-// caller can provoke) happens in ops_cuda.cpp, compiled by the host compiler. An exception
-// unwinding through nvcc-compiled host frames crashed the process (SIGSEGV) with torch 2.11 on
-// our GPU machines, instead of reaching Python as a RuntimeError.
+// input that has already been validated: every user-facing check happens in ops_cuda.cpp and
+// csrc/validate.cpp, before any work is queued. (The split was made after a crash blamed on
+// exceptions unwinding through nvcc-compiled frames; the one recorded backtrace, taken after it,
+// crashed in host-compiled validate.cpp while formatting a number: see the note there.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +12,9 @@
 #include <string>
 
 #include "vlseq/algo.h"
+#include "vlseq/limits.h"
 
 namespace vlseq {
-
-constexpr int kMaxRanks = 8;  // devices per multi-device op
 
 void flatten_run(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels, const at::Tensor& out,
                  double scale);

@@ -6,10 +6,13 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <map>
 #include <utility>
+
+#include "env.h"
+#include "vlseq/limits.h"
 
 namespace vlseq::peer {
 namespace {
@@ -20,8 +23,6 @@ struct PairState {
   bool ok;
   std::string why;
 };
-
-constexpr int kMaxDevices = 64;
 
 std::mutex& cache_mutex() {
   static std::mutex m;
@@ -39,8 +40,7 @@ std::map<std::pair<int, int>, std::string>& failures() {
 
 PairState probe(int dev, int peer) {
   const std::string pair = "cuda:" + std::to_string(dev) + " -> cuda:" + std::to_string(peer);
-  const char* env = std::getenv("VLSEQ_DISABLE_P2P");
-  if (env != nullptr && std::string(env) == "1") return {false, "VLSEQ_DISABLE_P2P=1"};
+  if (env::disable_p2p()) return {false, "VLSEQ_DISABLE_P2P=1"};
   if (!at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(dev), static_cast<c10::DeviceIndex>(peer))) {
     return {false, "the driver reports no peer access for " + pair};
   }
@@ -67,12 +67,8 @@ PairState probe(int dev, int peer) {
 cudaEvent_t device_event(int dev) {
   // One event per device, created once. Reuse is safe because every use (record, then the waits
   // that consume it) happens under op_mutex(), and a wait captures the latest record at call time.
-  static std::vector<cudaEvent_t> events;
-  if (events.empty()) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaGetDeviceCount(&n));
-    events.assign(n, nullptr);
-  }
+  static cudaEvent_t events[kMaxDevices] = {};
+  check_device_index(dev, "table of per-device events");
   if (events[dev] == nullptr) {
     c10::cuda::CUDAGuard g(dev);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&events[dev], cudaEventDisableTiming));
@@ -80,11 +76,21 @@ cudaEvent_t device_event(int dev) {
   return events[dev];
 }
 
+// Each device once, in first-seen order: lists may share a device (reduce_tensors_), and one
+// record and one wait per pair of distinct devices order them all.
+std::vector<int> distinct(const std::vector<int>& devs) {
+  std::vector<int> out;
+  for (int d : devs)
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  return out;
+}
+
 }  // namespace
 
 bool can_access(int dev, int peer, std::string* why) {
   if (dev == peer) return true;
-  TORCH_CHECK(dev < kMaxDevices && peer < kMaxDevices, "vlseq_ext: device index out of range");
+  check_device_index(dev, "table of peer-access states");
+  check_device_index(peer, "table of peer-access states");
   int8_t state = pair_state[dev][peer].load(std::memory_order_acquire);
   if (state == 0) {
     std::lock_guard<std::mutex> lock(cache_mutex());
@@ -104,8 +110,9 @@ bool can_access(int dev, int peer, std::string* why) {
 }
 
 bool all_can_access(const std::vector<int>& devs, std::string* why) {
-  for (int a : devs)
-    for (int b : devs)
+  const std::vector<int> ds = distinct(devs);
+  for (int a : ds)
+    for (int b : ds)
       if (!can_access(a, b, why)) return false;
   return true;
 }
@@ -118,7 +125,8 @@ std::mutex& op_mutex() {
 // Records must be issued with the stream's device current (cudaErrorInvalidResourceHandle
 // otherwise). Devices are visited 0..N-1 for the records and N-1..0 for the waits, so the switch
 // between the two phases is free; `guard` restores the caller's device once, at the op's end.
-void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
+void barrier(const std::vector<int>& all, c10::cuda::OptionalCUDAGuard& guard) {
+  const std::vector<int> devs = distinct(all);
   for (int d : devs) {
     guard.set_index(static_cast<c10::DeviceIndex>(d));
     C10_CUDA_CHECK(cudaEventRecord(device_event(d), c10::cuda::getCurrentCUDAStream(d)));
@@ -131,7 +139,8 @@ void barrier(const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) 
   }
 }
 
-void gather(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
+void gather(int root, const std::vector<int>& all, c10::cuda::OptionalCUDAGuard& guard) {
+  const std::vector<int> devs = distinct(all);
   bool any = false;
   for (int d : devs) {
     if (d == root) continue;
@@ -146,7 +155,8 @@ void gather(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard
     if (d != root) C10_CUDA_CHECK(cudaStreamWaitEvent(s, device_event(d), 0));
 }
 
-void release(int root, const std::vector<int>& devs, c10::cuda::OptionalCUDAGuard& guard) {
+void release(int root, const std::vector<int>& all, c10::cuda::OptionalCUDAGuard& guard) {
+  const std::vector<int> devs = distinct(all);
   bool any = false;
   for (int d : devs) any = any || d != root;
   if (!any) return;

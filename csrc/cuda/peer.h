@@ -22,6 +22,9 @@ bool all_can_access(const std::vector<int>& devs, std::string* why);
 // Serialises the host-side orchestration of the multi-device ops (it reuses one event per device).
 std::mutex& op_mutex();
 
+// `devs` may name a device more than once (lists that share a device); the functions below visit
+// each distinct device once.
+
 // Every device's current stream waits until every other device's current stream has reached this
 // point. Host-side only: records one event per device, then queues the waits; never blocks the CPU.
 // Switches devices through `guard` (the op's one guard, which restores the caller's device).

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "vlseq/dtypes.h"
+#include "vlseq/limits.h"
 
 namespace vlseq {
 
@@ -111,7 +112,8 @@ int64_t assign_begins(std::vector<Seg>& segs) {
 // Multiprocessor count, read once per device. (ATen/cuda/CUDAContext.h would do this too, but it
 // drags in cuBLAS/cuSPARSE headers that a compile-only toolkit may not have.)
 inline int sm_count(int device) {
-  static int counts[64] = {0};
+  static int counts[kMaxDevices] = {0};
+  check_device_index(device, "table of multiprocessor counts");
   if (counts[device] == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
   }
