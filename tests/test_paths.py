@@ -217,7 +217,7 @@ def test_gpu_paths_match_float64(model_name, k, n, reduction, no_tf32):
     for _ in range(2):
         trainer.compute_gradients(xs, ys)
     assert_close_to(model, ref, 3e-5)
-    assert trainer._plan == ("per_sample" if model_name.startswith("one") else "padded")
+    assert trainer.runner.plan == ("per_sample" if model_name.startswith("one") else "padded")
     assert sum(s["replays"] for s in trainer.graph_stats()) > 0
 
 

@@ -16,7 +16,6 @@ once on the master; a one-kernel P2P broadcast copies the parameters back to the
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,18 +24,15 @@ from torch import Tensor, nn
 
 from . import loop
 from .devices import parse_devices
-from .graphs import PaddedGraphs, SampleGraphs, padded_length
+from .execution import DeviceRunner
+from .graphs import padded_length
 from .guard import StepGuard
 from .inputs import check_samples, check_targets, model_input_dim
 from .losses import PerSampleLoss, stack_targets
 from .merge import make_merge
 from .replicas import ReplicaSet
-from .scheduling import PER_SAMPLE_GRAPH_MAX_WIDTH, assign_lpt, recurrent_width
+from .scheduling import assign_lpt
 from .workers import DeviceWorkers
-
-# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). A
-# probe on one H200 (LSTM 512x2, L=300): 4 streams replay at 1.36x one stream.
-MAX_LANES = 4
 
 
 class ParallelTrainer:
@@ -102,8 +98,6 @@ class ParallelTrainer:
         self.input_dim = model_input_dim(model)
         self.is_cuda = self.devices[0].type == "cuda"
         self.cuda_graphs = bool(cuda_graphs) and self.is_cuda
-        self._lanes_asked = lanes
-        self._graph_bounds = (graph_cache_size, graph_memory_bytes)
 
         self.replicas = ReplicaSet(model, self.devices)
         self.master_index = self.replicas.master_index
@@ -112,11 +106,8 @@ class ParallelTrainer:
         self.merger = make_merge(self.replicas, process_group, self.samples_per_step)
         self.rank, self.world_size = self.merger.rank, self.merger.world_size
         self.workers = DeviceWorkers(self.devices)
-        self._plan: Optional[str] = None
-        self._output_shape: Optional[Tuple[int, ...]] = None
-        self._accepts_list: Optional[bool] = None
-        self._sample_graphs: List[List[SampleGraphs]] = [[] for _ in self.devices]
-        self._padded_graphs: List[Optional[PaddedGraphs]] = [None] * len(self.devices)
+        self.runner = DeviceRunner(model, self.replicas, self.per_sample_loss, samples_per_device, pack,
+                                   self.cuda_graphs, lanes, amp, (graph_cache_size, graph_memory_bytes))
         self._micro_step = self._window_samples = 0
         self.global_step = 0
         self.setup_seconds = 0.0
@@ -138,8 +129,7 @@ class ParallelTrainer:
     @property
     def capture_seconds(self) -> float:
         """Time spent in first eager runs + graph captures, on the slowest device (devices overlap)."""
-        caches = [[*lanes, p] for lanes, p in zip(self._sample_graphs, self._padded_graphs)]
-        return max((sum(c.capture_seconds for c in cs if c is not None) for cs in caches), default=0.0)
+        return max(sum(c.capture_seconds for c in self.runner.caches(d)) for d in range(len(self.devices)))
 
     def shard(self, lengths: Sequence[int]) -> List[int]:
         """This rank's positions in a global step with these sample lengths."""
@@ -155,153 +145,24 @@ class ParallelTrainer:
         self.merger.barrier()
 
     def graph_stats(self) -> List[Dict[str, int]]:
-        return [c.stats() for lanes, p in zip(self._sample_graphs, self._padded_graphs) for c in [*lanes, p]
-                if c is not None]
+        return [c.stats() for d in range(len(self.devices)) for c in self.runner.caches(d)]
 
     def close(self) -> None:
         """Stop the device threads (also done at exit)."""
         self.workers.close()
 
-    # -- the plan: how k samples of one device run ----------------------------------------------
-    def _autocast(self):
-        if self.amp is None:
-            return contextlib.nullcontext()
-        # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
-        return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
-
-    def _choose_plan(self, xs: List[Tensor]) -> str:
-        """"padded" (graph per padded shape), "packed" (eager list batch) or "per_sample"."""
-        if self.pack is False:
-            return "per_sample"
-        if self.cuda_graphs and callable(getattr(self.model, "forward_padded", None)):
-            return "padded"
-        if self.pack == "auto" and self.cuda_graphs and recurrent_width(self.model) < PER_SAMPLE_GRAPH_MAX_WIDTH:
-            return "per_sample"
-        if self.samples_per_device > 1 and self._model_accepts_list(xs):
-            return "packed"
-        return "per_sample"
-
-    def _model_accepts_list(self, xs: List[Tensor]) -> bool:
-        if self._accepts_list is None:
-            probe = [x[:2].to(self.master_device) for x in xs[:2]]
-            try:
-                with torch.no_grad():
-                    out = self.model(probe)
-                self._accepts_list = isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == len(probe)
-            except Exception:  # any model that rejects a list runs per sample
-                self._accepts_list = False
-        return self._accepts_list
-
-    def _prepare(self, xs: List[Tensor]) -> None:
-        """First step: the output shape (for the target check) and the plan with its graph caches."""
-        if self._output_shape is None:
-            with torch.no_grad(), self._autocast():
-                self._output_shape = tuple(self.model(xs[0][:1].to(self.master_device)).shape)
-        if self._plan is not None:
-            return
-        self._plan = self._choose_plan(xs)
-        lanes = self._lanes_asked or (min(self.samples_per_device, MAX_LANES)
-                                      if self._plan == "per_sample" and self.cuda_graphs else 1)
-        self.replicas.ensure_lanes(lanes)
-        if not self.cuda_graphs:
-            return
-        max_graphs, max_bytes = self._graph_bounds
-        for d, dev_lanes in enumerate(self.replicas.lanes):
-            dtype = dev_lanes[0].params[0].dtype
-            if self._plan == "padded":
-                lane = dev_lanes[0]
-                self._padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self.per_sample_loss,
-                                                      self._autocast, lane.loss, lane.stream, dtype, max_graphs,
-                                                      max_bytes)
-            elif self._plan == "per_sample":
-                self._sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._one_sample_loss,
-                                                       self._autocast, lane.loss, lane.stream, dtype, max_graphs,
-                                                       max_bytes) for lane in dev_lanes]
-
-    def _one_sample_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return self.per_sample_loss(output, target)[0]
-
-    # -- one device's share of a step (runs on that device's thread) ----------------------------
-    def _run_device(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
-        if self._plan == "padded":
-            cache = self._padded_graphs[d]
-            with self._on_stream(d, cache.stream):
-                cache.run(xs, self._stack(d, ys, self._output_shape[-1]))
-        elif self._plan == "packed" and len(xs) > 1:
-            self._eager(d, 0, xs, ys)
-        else:
-            self._per_sample(d, xs, ys)
-
-    def _stack(self, d: int, ys: List[Tensor], out_dim: int) -> Tensor:
-        return stack_targets(ys, out_dim).to(self.devices[d], non_blocking=True)
-
-    @contextlib.contextmanager
-    def _on_stream(self, d: int, stream):
-        """Run on a side stream that starts after, and ends before, the device's current stream."""
-        if stream is None:
-            yield
-            return
-        current = torch.cuda.current_stream(self.devices[d])
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            yield
-        current.wait_stream(stream)
-
-    def _per_sample(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
-        lanes = self.replicas.lanes[d]
-        caches = self._sample_graphs[d]
-        n = min(len(lanes), len(xs))
-        with contextlib.ExitStack() as stack:
-            for lane in lanes[:n]:
-                stack.enter_context(self._on_stream_entered(d, lane.stream))
-            for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run
-                lane = i % n
-                target = y.reshape(1, -1) if y.is_floating_point() else y.reshape(1)
-                if caches:
-                    with torch.cuda.stream(lanes[lane].stream):
-                        caches[lane].run(x, target)
-                else:
-                    self._eager(d, lane, [x], [y])
-        if n > 1:
-            self.replicas.fold_lanes(d)
-
-    @contextlib.contextmanager
-    def _on_stream_entered(self, d: int, stream):
-        """Like _on_stream, but leaves the current stream current (the caller picks per sample)."""
-        if stream is None:
-            yield
-            return
-        current = torch.cuda.current_stream(self.devices[d])
-        stream.wait_stream(current)
-        yield
-        current.wait_stream(stream)
-
-    def _eager(self, d: int, lane: int, xs: List[Tensor], ys: List[Tensor]) -> None:
-        """Eager forward + backward of one sample or one packed list on lane `lane` of device d."""
-        ln = self.replicas.lanes[d][lane]
-        dev, dtype = self.devices[d], ln.params[0].dtype
-        with self._autocast():
-            if len(xs) == 1:
-                out = ln.module(xs[0].to(dev, dtype=dtype, non_blocking=True))
-            else:
-                out = ln.module([x.to(dev, dtype=dtype, non_blocking=True) for x in xs])
-        out = out.float()
-        loss = self.per_sample_loss(out, self._stack(d, ys, out.shape[-1])).sum()
-        loss.backward()
-        ln.loss.add_(loss.detach())
-
     # -- the step ---------------------------------------------------------------------------------
     def _forward_backward(self, xs: List[Tensor], ys: List[Tensor]) -> None:
         if not xs:  # [distributed] no sample on this rank this step: it only joins the merge
             return
-        self._prepare(xs)
+        self.runner.prepare(xs)
         if self.per_sample_loss.unreduced is not None:  # a known nn loss: targets must fit its output
-            check_targets(ys, self._output_shape)
+            check_targets(ys, self.runner.output_shape)
         self.replicas.sync_mode()
         self.replicas.attach_grads()
         groups = assign_lpt([x.shape[0] for x in xs], len(self.devices), self.samples_per_device)
         with torch.profiler.record_function("vlseq::forward_backward"):
-            self.workers.run(lambda d: self._run_device(d, [xs[i] for i in groups[d]], [ys[i] for i in groups[d]]),
+            self.workers.run(lambda d: self.runner.run(d, [xs[i] for i in groups[d]], [ys[i] for i in groups[d]]),
                              [d for d, g in enumerate(groups) if g])
 
     def _merge(self, n: int) -> Tensor:
@@ -383,8 +244,8 @@ class ParallelTrainer:
         self.model.eval()
         outs = []
         try:
-            with torch.no_grad(), self._autocast():
-                packed = len(xs) > 1 and self._model_accepts_list(xs)
+            with torch.no_grad(), self.runner.autocast():
+                packed = len(xs) > 1 and self.runner.accepts_list(xs)
                 for s in range(0, len(xs), batch_size):
                     chunk = [x.to(self.master_device, dtype=dtype) for x in xs[s:s + batch_size]]
                     outs.append(self.model(chunk) if packed and len(chunk) > 1 else torch.cat([self.model(x) for x in chunk]))
@@ -405,18 +266,18 @@ class ParallelTrainer:
         y = torch.zeros(1) if target is None else target
         dim = self.input_dim or 1
         lengths = sorted({int(v) for v in lengths}, reverse=True)
-        self._prepare([torch.randn(lengths[0], dim)])
+        self.runner.prepare([torch.randn(lengths[0], dim)])
         k = self.samples_per_device
-        if self._plan == "padded":  # one full batch per padded length bucket
+        if self.runner.plan == "padded":  # one full batch per padded length bucket
             steps = [[L] * k for L in sorted({padded_length(v) for v in lengths}, reverse=True)]
-        elif self._plan == "per_sample":  # every length on every lane
+        elif self.runner.plan == "per_sample":  # every length on every lane
             lanes = len(self.replicas.lanes[0])
             steps = [[L] * lanes for L in lengths]
         else:
             steps = []
         for step in steps:
             xs = [torch.randn(L, dim) for L in step]
-            self.workers.run(lambda d: self._run_device(d, xs, [y] * len(xs)), range(len(self.devices)))
+            self.workers.run(lambda d: self.runner.run(d, xs, [y] * len(xs)), range(len(self.devices)))
         self.replicas.zero(range(len(self.devices)))
         if self.is_cuda:
             torch.cuda.synchronize()

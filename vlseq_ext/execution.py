@@ -1,0 +1,172 @@
+"""How k samples of one device run, on that device's thread: the plan and its graph caches.
+
+Three plans, the same gradient (the float64 per-sample reference) either way:
+- "padded": the model has forward_padded and CUDA graphs are on: one graph replay per device per
+  step, for a padded shape (batch size, length bucket) (graphs.PaddedGraphs);
+- "packed": the model accepts a list: one eager packed batch per device;
+- "per_sample": one pass per sample, as graph replays per length when graphs are on
+  (graphs.SampleGraphs), round robin over the device's lanes (streams with their own gradient
+  sets), whose gradients are then folded into lane 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .graphs import PaddedGraphs, SampleGraphs
+from .losses import PerSampleLoss, stack_targets
+from .replicas import ReplicaSet
+from .scheduling import PER_SAMPLE_GRAPH_MAX_WIDTH, recurrent_width
+
+# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). A
+# probe on one H200 (LSTM 512x2, L=300): 4 streams replay at 1.36x one stream.
+MAX_LANES = 4
+
+
+class DeviceRunner:
+    """Runs one device's share of a step (`run(d, xs, ys)`) by the plan chosen at the first step."""
+
+    def __init__(self, model: nn.Module, replicas: ReplicaSet, per_sample_loss: PerSampleLoss, samples_per_device: int,
+                 pack, cuda_graphs: bool, lanes: Optional[int], amp: Optional[str], graph_bounds) -> None:
+        self.model, self.replicas, self.per_sample_loss = model, replicas, per_sample_loss
+        self.devices = replicas.devices
+        self.master_device = self.devices[replicas.master_index]
+        self.samples_per_device, self.pack, self.cuda_graphs = samples_per_device, pack, cuda_graphs
+        self.amp, self._lanes_asked, self._graph_bounds = amp, lanes, graph_bounds
+        self.plan: Optional[str] = None
+        self.output_shape: Optional[Tuple[int, ...]] = None
+        self._accepts_list: Optional[bool] = None
+        self.sample_graphs: List[List[SampleGraphs]] = [[] for _ in self.devices]
+        self.padded_graphs: List[Optional[PaddedGraphs]] = [None] * len(self.devices)
+
+    def caches(self, d: int) -> list:
+        return [c for c in [*self.sample_graphs[d], self.padded_graphs[d]] if c is not None]
+
+    def autocast(self):
+        if self.amp is None:
+            return contextlib.nullcontext()
+        # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
+        return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
+
+    def choose_plan(self, xs: List[Tensor]) -> str:
+        """"padded" (graph per padded shape), "packed" (eager list batch) or "per_sample"."""
+        if self.pack is False:
+            return "per_sample"
+        if self.cuda_graphs and callable(getattr(self.model, "forward_padded", None)):
+            return "padded"
+        if self.pack == "auto" and self.cuda_graphs and recurrent_width(self.model) < PER_SAMPLE_GRAPH_MAX_WIDTH:
+            return "per_sample"
+        if self.samples_per_device > 1 and self.accepts_list(xs):
+            return "packed"
+        return "per_sample"
+
+    def accepts_list(self, xs: List[Tensor]) -> bool:
+        if self._accepts_list is None:
+            probe = [x[:2].to(self.master_device) for x in xs[:2]]
+            try:
+                with torch.no_grad():
+                    out = self.model(probe)
+                self._accepts_list = isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == len(probe)
+            except Exception:  # any model that rejects a list runs per sample
+                self._accepts_list = False
+        return self._accepts_list
+
+    def prepare(self, xs: List[Tensor]) -> None:
+        """First step: the output shape (for the target check) and the plan with its graph caches."""
+        if self.output_shape is None:
+            with torch.no_grad(), self.autocast():
+                self.output_shape = tuple(self.model(xs[0][:1].to(self.master_device)).shape)
+        if self.plan is not None:
+            return
+        self.plan = self.choose_plan(xs)
+        lanes = self._lanes_asked or (min(self.samples_per_device, MAX_LANES)
+                                      if self.plan == "per_sample" and self.cuda_graphs else 1)
+        self.replicas.ensure_lanes(lanes)
+        if not self.cuda_graphs:
+            return
+        max_graphs, max_bytes = self._graph_bounds
+        for d, dev_lanes in enumerate(self.replicas.lanes):
+            dtype = dev_lanes[0].params[0].dtype
+            if self.plan == "padded":
+                lane = dev_lanes[0]
+                self.padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self.per_sample_loss,
+                                                      self.autocast, lane.loss, lane.stream, dtype, max_graphs,
+                                                      max_bytes)
+            elif self.plan == "per_sample":
+                self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._one_sample_loss,
+                                                       self.autocast, lane.loss, lane.stream, dtype, max_graphs,
+                                                       max_bytes) for lane in dev_lanes]
+
+    def _one_sample_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.per_sample_loss(output, target)[0]
+
+    def run(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
+        if self.plan == "padded":
+            cache = self.padded_graphs[d]
+            with self._on_stream(d, cache.stream):
+                cache.run(xs, self._stack(d, ys, self.output_shape[-1]))
+        elif self.plan == "packed" and len(xs) > 1:
+            self._eager(d, 0, xs, ys)
+        else:
+            self._per_sample(d, xs, ys)
+
+    def _stack(self, d: int, ys: List[Tensor], out_dim: int) -> Tensor:
+        return stack_targets(ys, out_dim).to(self.devices[d], non_blocking=True)
+
+    @contextlib.contextmanager
+    def _on_stream(self, d: int, stream):
+        """Run on a side stream that starts after, and ends before, the device's current stream."""
+        if stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.devices[d])
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
+
+    def _per_sample(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
+        lanes = self.replicas.lanes[d]
+        caches = self.sample_graphs[d]
+        n = min(len(lanes), len(xs))
+        with contextlib.ExitStack() as stack:
+            for lane in lanes[:n]:
+                stack.enter_context(self._on_stream_entered(d, lane.stream))
+            for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run
+                lane = i % n
+                target = y.reshape(1, -1) if y.is_floating_point() else y.reshape(1)
+                if caches:
+                    with torch.cuda.stream(lanes[lane].stream):
+                        caches[lane].run(x, target)
+                else:
+                    self._eager(d, lane, [x], [y])
+        if n > 1:
+            self.replicas.fold_lanes(d)
+
+    @contextlib.contextmanager
+    def _on_stream_entered(self, d: int, stream):
+        """Like _on_stream, but leaves the current stream current (the caller picks per sample)."""
+        if stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.devices[d])
+        stream.wait_stream(current)
+        yield
+        current.wait_stream(stream)
+
+    def _eager(self, d: int, lane: int, xs: List[Tensor], ys: List[Tensor]) -> None:
+        """Eager forward + backward of one sample or one packed list on lane `lane` of device d."""
+        ln = self.replicas.lanes[d][lane]
+        dev, dtype = self.devices[d], ln.params[0].dtype
+        with self.autocast():
+            if len(xs) == 1:
+                out = ln.module(xs[0].to(dev, dtype=dtype, non_blocking=True))
+            else:
+                out = ln.module([x.to(dev, dtype=dtype, non_blocking=True) for x in xs])
+        out = out.float()
+        loss = self.per_sample_loss(out, self._stack(d, ys, out.shape[-1])).sum()
+        loss.backward()
+        ln.loss.add_(loss.detach())
