@@ -141,11 +141,35 @@ def test_rng_state_round_trip(tmp_path):
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == before
 
 
+# vlseq-train in a process whose 2nd checkpoint write stops halfway through its temporary file and hangs
+# (checkpoint._write_bytes patched here: the shipped package has no test hook).
+HANG_IN_SECOND_WRITE = """
+import os, sys, time
+from vlseq_ext import checkpoint
+from vlseq_ext.cli import main
+real, calls = checkpoint._write_bytes, []
+
+def hanging(f, data):
+    calls.append(1)
+    if len(calls) == 2:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        print("test: hanging in checkpoint write", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+    real(f, data)
+
+checkpoint._write_bytes = hanging
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, capsys):
     # The 2nd save of the process stops halfway through its temporary file; SIGKILL it there.
-    proc = subprocess.Popen(cmd(*SMALL, "--max-steps", 50, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path),
-                            env=subprocess_env(VLSEQ_TEST_HANG_IN_CHECKPOINT_WRITE="2"), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv = [*SMALL, "--max-steps", 50, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path]
+    proc = subprocess.Popen([sys.executable, "-c", HANG_IN_SECOND_WRITE, *map(str, argv)], env=subprocess_env(),
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(120, proc.kill)
     watchdog.start()
     try:
@@ -153,7 +177,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, ca
             if "hanging in checkpoint write" in line:
                 break
         else:
-            pytest.fail("the checkpoint writer never reached the test hook")
+            pytest.fail("the checkpoint writer never reached the patched write")
         temps = list(tmp_path.glob(".last.pt.*.tmp"))
         assert len(temps) == 1 and temps[0].stat().st_size > 0
         proc.send_signal(signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""`python -m vlseq_ext`: the same as the `vlseq-train` command."""
+"""`python -m vlseq_ext`: vlseq-train; `python -m vlseq_ext predict ...`: vlseq-predict."""
 import sys
 
 from .cli import main

@@ -1,37 +1,60 @@
-"""Crash-safe checkpoints and exact RNG state capture for vlseq-train.
+"""Crash-safe checkpoints, exact RNG state capture, and reading back what vlseq-train saved.
 
 Writes are atomic: the state goes to a temporary file in the checkpoint's directory, which is
 flushed and fsync'ed, then renamed over the old checkpoint with os.replace (atomic on POSIX and
 Windows), and the directory is fsync'ed so the rename itself survives a power loss. A crash at any
-moment leaves either the previous checkpoint or the new one, never a torn file.
+moment leaves either the previous checkpoint or the new one, never a torn file; a failed write (a
+full disk) removes its temporary file, leaves the previous checkpoint as it was and raises
+`CheckpointWriteError` (an OSError) naming the path.
 
 Checkpoints hold only tensors and plain Python values, so they load with
 torch.load(weights_only=True): no arbitrary code runs when a checkpoint is opened.
+
+Reading: `read_checkpoint` tells a vlseq checkpoint from a foreign, truncated or inconsistent file
+(`CheckpointError`, one line), and `load_model` returns the trained model of a vlseq-train run.
 """
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import random
-import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from torch import nn
 
-__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "find_checkpoint", "capture_rng_state",
-           "restore_rng_state"]
+__all__ = ["CHECKPOINT_NAME", "FORMAT", "CheckpointError", "CheckpointWriteError", "save_checkpoint",
+           "load_checkpoint", "find_checkpoint", "read_checkpoint", "build_model", "load_model",
+           "capture_rng_state", "restore_rng_state"]
 
 CHECKPOINT_NAME = "last.pt"
+FORMAT = "vlseq_ext.checkpoint/1"
 PathLike = Union[str, Path]
+# What vlseq-train saves; a resume needs all of it, a prediction the first three.
+MODEL_KEYS = ("config", "data", "model")
+RESUME_KEYS = MODEL_KEYS + ("optimizer", "trainer", "sampler", "run", "rng")
 
-# Test hook: VLSEQ_TEST_HANG_IN_CHECKPOINT_WRITE=k makes the k-th save of this process stop halfway
-# through writing its temporary file and hang, so a test can SIGKILL it mid-write.
-_HANG_ENV = "VLSEQ_TEST_HANG_IN_CHECKPOINT_WRITE"
-_saves = 0
+
+class CheckpointError(ValueError):
+    """A file that is not a usable vlseq checkpoint: foreign, truncated or corrupt, or inconsistent
+    (its configuration does not match its weights). The message is one line naming the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full). The previous checkpoint at that
+    path, if any, is unchanged and no temporary file is left. Attributes: `path`, `reason` (the
+    original error's text, e.g. "No space left on device") and `errno` (the original error's)."""
+
+    def __init__(self, path: Path, reason: str, errno: Optional[int]) -> None:
+        super().__init__(f"{path}: cannot write the checkpoint: {reason}"
+                         + (f" [Errno {errno}]" if errno else "")
+                         + "; the previous checkpoint there (if any) is unchanged")
+        self.path, self.reason = path, reason
+        self.errno = errno
 
 
 def capture_rng_state() -> Dict[str, Any]:
@@ -75,38 +98,38 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _write_bytes(f: Any, data: memoryview) -> None:
+    """Write the serialised checkpoint to the open temporary file and make it durable."""
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def save_checkpoint(state: Dict[str, Any], path: PathLike) -> Path:
     """Atomically write `state` (tensors, dicts, lists, numbers, strings) to `path`: serialise it,
     write a temporary file in the same directory, flush + fsync, os.replace over `path`, fsync the
-    directory. Creates the directory if needed; removes temporaries left by a killed writer."""
-    global _saves
+    directory. Creates the directory if needed; removes temporaries left by a killed writer.
+    Raises CheckpointWriteError when the file cannot be written; `path` is then untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getbuffer()
-    _saves += 1
-    hang = os.environ.get(_HANG_ENV) == str(_saves)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp: Optional[str] = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            if hang:
-                f.write(data[:len(data) // 2])
-                f.flush()
-                os.fsync(f.fileno())
-                print(f"vlseq-test: hanging in checkpoint write of {tmp}", file=sys.stderr, flush=True)
-                while True:
-                    time.sleep(60)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_bytes(f, data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        tmp = None
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise CheckpointWriteError(path, exc.strerror or str(exc) or type(exc).__name__, exc.errno) from exc
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return path
 
 
@@ -119,9 +142,96 @@ def find_checkpoint(path: PathLike) -> Optional[Path]:
 
 
 def load_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
-    """Load a checkpoint file (or DIR/last.pt) with torch.load(weights_only=True).
+    """Load a checkpoint file (or DIR/last.pt) with torch.load(weights_only=True), unchecked.
     Raises FileNotFoundError when there is none."""
     found = find_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path}: no checkpoint (expected a file or a directory holding {CHECKPOINT_NAME})")
     return torch.load(found, map_location=map_location, weights_only=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu",
+                    need: Sequence[str] = RESUME_KEYS) -> Dict[str, Any]:
+    """Load and check a vlseq-train checkpoint (a file, or a run folder holding last.pt).
+    `need`: the entries it must have (RESUME_KEYS to continue training, MODEL_KEYS to predict).
+    Raises FileNotFoundError when there is none, CheckpointError (one line) when the file is not
+    a vlseq checkpoint, is truncated or corrupt, or its configuration disagrees with its weights."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: no checkpoint there (expected {CHECKPOINT_NAME} in a run folder, "
+                                "or a checkpoint file)")
+    size = found.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{found}: truncated or corrupt: the file is empty (0 bytes)")
+    try:
+        ckpt = torch.load(found, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+            raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds Python objects that vlseq checkpoints "
+                                  "never contain (refused by torch.load(weights_only=True))") from None
+        raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
+    except Exception as exc:  # RuntimeError (zip reader), EOFError, OSError [Errno 22], ValueError...
+        raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds a {type(ckpt).__name__}, not the dict "
+                              "that vlseq-train writes")
+    missing = [k for k in need if k not in ckpt]
+    if missing:
+        what = "a model state_dict, " if all(isinstance(v, torch.Tensor) for v in ckpt.values()) else ""
+        raise CheckpointError(f"{found}: not a vlseq checkpoint: {what}no {', '.join(repr(k) for k in missing)} "
+                              f"entr{'y' if len(missing) == 1 else 'ies'} (a vlseq-train checkpoint holds "
+                              f"{', '.join(RESUME_KEYS)})")
+    _check_consistent(ckpt, found)
+    return ckpt
+
+
+def build_model(config: Dict[str, Any], data: Dict[str, Any]) -> nn.Module:
+    """The (untrained) model vlseq-train builds for a run's configuration and data description."""
+    from .models import SeqModel
+    return SeqModel(input_dim=int(data["num_features"]), hidden_dim=int(config["hidden"]),
+                    output_dim=int(data["output_dim"]), num_layers=int(config["layers"]), rnn=str(config["model"]))
+
+
+def _check_consistent(ckpt: Dict[str, Any], found: Path) -> None:
+    """The saved configuration must describe the saved weights (shapes compared on the meta device:
+    nothing is allocated, whatever the configuration says)."""
+    cfg, data, weights = ckpt.get("config"), ckpt.get("data"), ckpt.get("model")
+    if not isinstance(cfg, dict) or not isinstance(data, dict) or not isinstance(weights, dict):
+        raise CheckpointError(f"{found}: not a vlseq checkpoint: 'config', 'data' and 'model' must be dicts")
+    try:
+        with torch.device("meta"):
+            expected = build_model(cfg, data).state_dict()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{found}: inconsistent: its configuration does not describe a model "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+    for name, t in expected.items():
+        w = weights.get(name)
+        if not isinstance(w, torch.Tensor):
+            raise CheckpointError(f"{found}: inconsistent: the saved configuration ({_describe(cfg, data)}) has "
+                                  f"{name}, which the saved weights lack")
+        if tuple(w.shape) != tuple(t.shape):
+            raise CheckpointError(f"{found}: inconsistent: the saved configuration ({_describe(cfg, data)}) gives "
+                                  f"{name} the shape {tuple(t.shape)}, the saved weights have {tuple(w.shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"{found}: inconsistent: the saved weights have {extra[0]}, which the saved "
+                              f"configuration ({_describe(cfg, data)}) does not")
+
+
+def _describe(cfg: Dict[str, Any], data: Dict[str, Any]) -> str:
+    return (f"{cfg.get('model')}, {data.get('num_features')} features, hidden {cfg.get('hidden')}, "
+            f"layers {cfg.get('layers')}, {data.get('output_dim')} outputs")
+
+
+def load_model(checkpoint_path: PathLike, map_location: Union[str, torch.device] = "cpu") -> nn.Module:
+    """The trained model of a vlseq-train run (its checkpoint file or run folder), in eval mode, on
+    `map_location`. Raises FileNotFoundError or CheckpointError (see read_checkpoint)."""
+    ckpt = read_checkpoint(checkpoint_path, map_location="cpu", need=MODEL_KEYS)
+    model = build_model(ckpt["config"], ckpt["data"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(map_location).eval()

@@ -1,8 +1,10 @@
-"""Variable-length datasets for vlseq-train: ragged .npz files, UEA/UCR .ts files (through aeon),
-a deterministic synthetic demo set, input validation, and a resumable length-bucketed sampler.
+"""Variable-length datasets for vlseq-train and vlseq-predict: ragged .npz files, UEA/UCR .ts files
+(through aeon), a deterministic synthetic demo set, input validation, and resumable length-bucketed
+samplers (one process, or global steps shared by several processes).
 
 Every validation failure raises `DataError` with a one-line message that names the file and the
-sample, so the CLI can print it and exit with code 2.
+sample, so the CLI can print it and exit with code 2. Values are checked after the cast to the
+training dtype (float32): a finite float64 value beyond float32's range is as bad as an inf.
 """
 from __future__ import annotations
 
@@ -16,11 +18,19 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
+from .scheduling import lpt_shard
+
 __all__ = ["DataError", "RaggedDataset", "save_ragged", "load_ragged", "load_ts", "synthetic", "japanese_vowels",
-           "open_dataset", "split", "sequence_lengths", "LengthBucketSampler", "BUILTIN"]
+           "open_dataset", "split", "sequence_lengths", "LengthBucketSampler", "DistributedLengthSampler", "BUILTIN",
+           "MAX_CLASS_LABEL"]
 
 BUILTIN = ("synthetic", "japanese_vowels")
 PathLike = Union[str, Path]
+# Class labels are indices 0..C-1: the model gets one output per index up to the largest label. A
+# label far beyond the number of distinct labels (>= 10 x distinct + 100) or above this bound is
+# almost surely an id, not an index, and would build a huge output layer.
+MAX_CLASS_LABEL = 1_000_000
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 class DataError(ValueError):
@@ -35,12 +45,13 @@ class RaggedDataset(Dataset):
     Attributes: `lengths` (N,) int64 numpy array, `num_features` (D), `task`
     ("regression" | "classification"), `output_dim` (O, or the number of classes), `class_names`
     (classification labels, as strings), `name` (for messages), `source` (the file it came from,
-    if any), `dropped` (samples skipped as non-finite when loading).
+    if any), `dropped` (samples skipped as non-finite when loading), `has_targets` (False for a
+    prediction-only file without targets: then every target reads as 0).
     """
 
     def __init__(self, values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray,
                  task: str, output_dim: int, name: str, class_names: Optional[List[str]] = None,
-                 dropped: int = 0) -> None:
+                 dropped: int = 0, has_targets: bool = True) -> None:
         self.values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -49,6 +60,7 @@ class RaggedDataset(Dataset):
         self.task, self.output_dim, self.name = task, int(output_dim), name
         self.class_names = class_names
         self.dropped = dropped
+        self.has_targets = has_targets
         self.source: Optional[str] = None
 
     @property
@@ -75,17 +87,37 @@ class RaggedDataset(Dataset):
 # building and validating
 
 
-def _from_sequences(sequences: Sequence[np.ndarray], targets: np.ndarray, name: str, task: Optional[str],
-                    drop_nonfinite: bool, class_names: Optional[List[str]] = None) -> RaggedDataset:
+def _from_sequences(sequences: Sequence[np.ndarray], targets: Optional[np.ndarray], name: str, task: Optional[str],
+                    drop_nonfinite: bool, class_names: Optional[List[str]] = None,
+                    num_classes: Optional[int] = None) -> RaggedDataset:
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    values = np.concatenate([np.asarray(s, dtype=np.float32) for s in sequences]) if sequences else np.zeros((0, 0))
-    return _build(values, offsets, targets, name, task, drop_nonfinite, class_names)
+    values = np.concatenate([np.asarray(s) for s in sequences]) if sequences else np.zeros((0, 0))
+    return _build(values, offsets, targets, name, task, drop_nonfinite, class_names, num_classes)
 
 
-def _build(values: np.ndarray, offsets: np.ndarray, targets: np.ndarray, name: str, task: Optional[str],
-           drop_nonfinite: bool, class_names: Optional[List[str]] = None) -> RaggedDataset:
-    """Checks the ragged layout and targets, drops or rejects non-finite samples, infers the task."""
+def _as_float32(values: np.ndarray) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """values cast to float32 (the training dtype), and a mask of the elements that were finite
+    before the cast and are not after it (they overflow float32), or None when none can."""
+    if values.dtype == np.float32:
+        return values, None
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values.astype(np.float32)
+    if not np.issubdtype(values.dtype, np.floating) or np.finfo(values.dtype).max <= F32_MAX:
+        return out, None
+    return out, np.isfinite(values) & ~np.isfinite(out)
+
+
+def _where(rows: np.ndarray) -> str:
+    return f"at step {int(np.argmax(rows))}" if rows.any() else "in its target"
+
+
+def _build(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.ndarray], name: str, task: Optional[str],
+           drop_nonfinite: bool, class_names: Optional[List[str]] = None,
+           num_classes: Optional[int] = None) -> RaggedDataset:
+    """Checks the ragged layout and targets, drops or rejects non-finite samples (after the cast to
+    float32), infers the task. targets None: a prediction-only file (task must be given).
+    num_classes: the model's class count (prediction): labels must be below it."""
     if offsets.ndim == 1 and len(offsets) < 2:
         raise DataError(f"{name}: no samples ('offsets' needs N+1 >= 2 entries for N samples, got {len(offsets)})")
     if values.ndim != 2:
@@ -110,30 +142,52 @@ def _build(values: np.ndarray, offsets: np.ndarray, targets: np.ndarray, name: s
         i = int(np.argmax(lengths == 0))
         raise DataError(f"{name}: sample {i} has length 0 (offsets[{i}] == offsets[{i + 1}] == {offsets[i]})")
     n = len(lengths)
+    has_targets = targets is not None
+    if not has_targets:
+        if task is None:
+            raise DataError(f"{name}: no 'targets' array, and no task to predict was given")
+        targets = np.zeros(n, np.int64 if task == "classification" else np.float32)
     if targets.ndim == 0 or targets.shape[0] != n:
         raise DataError(f"{name}: 'targets' must have one row per sample ({n}), got shape {targets.shape}")
     if not (np.issubdtype(targets.dtype, np.floating) or np.issubdtype(targets.dtype, np.integer)
             or targets.dtype == np.bool_):
         raise DataError(f"{name}: 'targets' must be numeric, got dtype {targets.dtype}")
+    if targets.size == 0:
+        raise DataError(f"{name}: 'targets' has shape {targets.shape}: no target values per sample")
 
     if task is None:
         task = "classification" if targets.ndim == 1 and not np.issubdtype(targets.dtype, np.floating) else "regression"
     if task not in ("regression", "classification"):
         raise DataError(f"task must be 'regression' or 'classification', got {task!r}")
 
-    # Non-finite values: one flag per sample (reduceat is safe: every sample has length >= 1).
-    floating = np.issubdtype(values.dtype, np.floating)
-    bad_rows = ~np.isfinite(values).all(axis=1) if floating else np.zeros(len(values), bool)
+    # Non-finite values, after the cast to float32: one flag per sample (reduceat is safe: every
+    # sample has length >= 1). A finite float64 value beyond float32's range counts too.
+    raw_values, raw_targets = values, targets
+    values, over = _as_float32(values)
+    bad_rows = ~np.isfinite(values).all(axis=1)
     bad = np.add.reduceat(bad_rows, offsets[:-1]) > 0
-    if np.issubdtype(targets.dtype, np.floating):
+    t_over = None
+    if task == "regression":
+        targets, t_over = _as_float32(targets.reshape(n, -1))
+        bad |= ~np.isfinite(targets).all(axis=1)
+    elif np.issubdtype(targets.dtype, np.floating):
         bad |= ~np.isfinite(targets.reshape(n, -1)).all(axis=1)
     dropped = int(bad.sum())
     if dropped and not drop_nonfinite:
         i = int(np.argmax(bad))
         rows = bad_rows[offsets[i]:offsets[i + 1]]
-        where = f"at step {int(np.argmax(rows))}" if rows.any() else "in its target"
-        raise DataError(f"{name}: sample {i} has a non-finite value (NaN or inf) {where}"
-                        f"{f' ({dropped} such samples)' if dropped > 1 else ''}; pass --drop-nonfinite to skip them")
+        more = f" ({dropped} such samples)" if dropped > 1 else ""
+        if rows.any():
+            s = int(np.argmax(rows))
+            flag, raw = (over[offsets[i] + s] if over is not None else None), raw_values[offsets[i] + s]
+        else:
+            flag, raw = (t_over[i] if t_over is not None else None), raw_targets.reshape(n, -1)[i]
+        if flag is not None and flag.any():
+            raise DataError(f"{name}: sample {i} has the value {raw[int(np.argmax(flag))]:.4g} {_where(rows)}, "
+                            f"which overflows float32 (the training dtype; largest {F32_MAX:.4g}){more}; rescale "
+                            "the data, or pass --drop-nonfinite to skip such samples")
+        raise DataError(f"{name}: sample {i} has a non-finite value (NaN or inf) {_where(rows)}"
+                        f"{more}; pass --drop-nonfinite to skip them")
     if dropped:
         keep = ~bad
         if not keep.any():
@@ -143,70 +197,117 @@ def _build(values: np.ndarray, offsets: np.ndarray, targets: np.ndarray, name: s
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
 
     if task == "classification":
-        if targets.ndim != 1:
-            raise DataError(f"{name}: classification needs one class index per sample, got targets of shape "
-                            f"{targets.shape}")
-        if np.issubdtype(targets.dtype, np.floating) and (targets != np.round(targets)).any():
-            i = int(np.argmax(targets != np.round(targets)))
-            raise DataError(f"{name}: sample {i} has class label {targets[i]}, not an integer")
-        if (targets < 0).any():
-            i = int(np.argmax(targets < 0))
-            raise DataError(f"{name}: sample {i} has a negative class label {targets[i]}")
+        output_dim = _check_labels(targets, name, class_names, num_classes if has_targets else None)
+        if num_classes is not None:
+            output_dim = num_classes
         targets = targets.astype(np.int64)
-        output_dim = len(class_names) if class_names else int(targets.max()) + 1
     else:
-        targets = targets.reshape(n, -1).astype(np.float32)
         output_dim = targets.shape[1]
-    return RaggedDataset(values, starts, lengths, targets, task, output_dim, name, class_names, dropped)
+    return RaggedDataset(values, starts, lengths, targets, task, output_dim, name, class_names, dropped, has_targets)
 
 
-def save_ragged(path: PathLike, sequences: Sequence[Any], targets: Any) -> None:
+def _check_labels(targets: np.ndarray, name: str, class_names: Optional[List[str]],
+                  num_classes: Optional[int]) -> int:
+    """Class labels must be integers 0..C-1; returns C (the class count they imply)."""
+    if targets.ndim != 1:
+        raise DataError(f"{name}: classification needs one class index per sample, got targets of shape "
+                        f"{targets.shape}")
+    if np.issubdtype(targets.dtype, np.floating) and (targets != np.round(targets)).any():
+        i = int(np.argmax(targets != np.round(targets)))
+        raise DataError(f"{name}: sample {i} has class label {targets[i]}, not an integer")
+    if (targets < 0).any():
+        i = int(np.argmax(targets < 0))
+        raise DataError(f"{name}: sample {i} has a negative class label {targets[i]}")
+    if class_names:
+        return len(class_names)
+    i = int(np.argmax(targets))
+    top = targets[i].item()
+    if num_classes is not None:
+        if top >= num_classes:
+            raise DataError(f"{name}: sample {i} has class label {top:.0f}, but the model has {num_classes} classes "
+                            f"(0..{num_classes - 1})")
+        return num_classes
+    distinct = len(np.unique(targets))
+    if top > MAX_CLASS_LABEL or top >= 10 * distinct + 100:
+        raise DataError(f"{name}: sample {i} has class label {top:.0f}, far beyond the {distinct} distinct labels: "
+                        f"the model would need {top:.0f} + 1 outputs; remap the labels to 0..{distinct - 1} "
+                        "(e.g. np.unique(labels, return_inverse=True)[1])")
+    return int(top) + 1
+
+
+def save_ragged(path: PathLike, sequences: Sequence[Any], targets: Any = None) -> None:
     """Write samples as a ragged .npz: `values` (total_steps, D) float32 (the samples
     concatenated), `offsets` (N+1,) int64 (sample i is values[offsets[i]:offsets[i+1]]) and
     `targets` (N, ...) as given (float for regression, integer class indices for classification).
-    `sequences` are (L_i, D) arrays or tensors."""
+    `sequences` are (L_i, D) arrays or tensors. targets None writes no `targets` array: a file for
+    vlseq-predict only."""
     seqs = [np.asarray(s.detach().cpu() if isinstance(s, Tensor) else s, dtype=np.float32) for s in sequences]
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     values = np.concatenate(seqs) if seqs else np.zeros((0, 0), np.float32)
-    targets = np.asarray(targets.detach().cpu() if isinstance(targets, Tensor) else targets)
-    np.savez(path, values=values, offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), targets=targets)
+    arrays = {"values": values, "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+    if targets is not None:
+        arrays["targets"] = np.asarray(targets.detach().cpu() if isinstance(targets, Tensor) else targets)
+    np.savez(path, **arrays)
 
 
-def load_ragged(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False) -> RaggedDataset:
+def check_file(path: Path, hint: str = "") -> None:
+    """DataError unless `path` is an existing regular file (a directory or a device is named as such)."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a data file{hint}")
+    if path.exists():
+        raise DataError(f"{path}: is not a regular file (a device, pipe or socket){hint}")
+    raise DataError(f"{path}: no such file{hint}")
+
+
+def load_ragged(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False,
+                targets_required: bool = True, num_classes: Optional[int] = None) -> RaggedDataset:
     """Load and validate a ragged .npz written by `save_ragged` (np.load with allow_pickle=False).
     `task` None infers it: 1-D integer targets mean classification, anything else regression.
     Raises DataError for a missing, corrupt or truncated file, wrong shapes, non-monotone
-    offsets, zero-length samples and non-finite values (unless drop_nonfinite, which skips those
-    samples and records the count in `.dropped`)."""
+    offsets, zero-length samples and non-finite values, also values that overflow float32 (unless
+    drop_nonfinite, which skips those samples and records the count in `.dropped`), and class
+    labels far beyond the number of distinct labels.
+    For prediction: targets_required=False accepts a file without `targets` (then `task` must be
+    given and `.has_targets` is False); num_classes (the model's) bounds the class labels."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
+    check_file(path)
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # np.load would try to unpickle anything else
         raise DataError(f"{path}: not an .npz archive (no zip header): corrupt, or not written by np.savez/save_ragged")
     try:
         with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in ("values", "offsets", "targets") if k not in f.files]
+            need = ("values", "offsets", "targets") if targets_required else ("values", "offsets")
+            missing = [k for k in need if k not in f.files]
             if missing:
                 raise DataError(f"{path}: missing array(s) {', '.join(missing)} "
                                 f"(found: {', '.join(f.files) or 'none'})")
-            values, offsets, targets = f["values"], f["offsets"], f["targets"]
+            values, offsets = f["values"], f["offsets"]
+            targets = f["targets"] if "targets" in f.files else None
     except DataError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(f"{path}: cannot read as .npz (corrupt or truncated?): {msg}") from None
-    return _build(values, offsets, targets, str(path), task, drop_nonfinite)
+    return _build(values, offsets, targets, str(path), task, drop_nonfinite, num_classes=num_classes)
 
 
-def load_ts(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False) -> RaggedDataset:
+def _has_data_line(path: Path) -> bool:
+    with open(path, "r", encoding="utf-8", errors="replace") as fh:
+        return any(line.strip().lower().startswith("@data") for line in fh)
+
+
+def load_ts(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False,
+            targets_required: bool = True, class_names: Optional[List[str]] = None) -> RaggedDataset:
     """Load a UEA/UCR .ts file (equal or unequal length) through aeon's `load_from_ts_file`.
     Class labels become indices into `class_names` (the file's @classLabel order); a
-    @targetLabel file gives a regression target. Needs the optional extra: pip install 'vlseq_ext[ts]'."""
+    @targetLabel file gives a regression target. Needs the optional extra: pip install 'vlseq_ext[ts]'.
+    For prediction: targets_required=False accepts a file without labels; class_names (the
+    trained model's classes, in its order) maps the labels instead of the file's @classLabel list."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
+    check_file(path)
     try:
         from aeon.datasets import load_from_ts_file
     except ImportError:
@@ -217,25 +318,31 @@ def load_ts(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = F
     except Exception as exc:  # aeon raises IOError/ValueError/TypeError... on malformed files
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(f"{path}: cannot read as a .ts file: {msg}") from None
-    seqs = [np.asarray(x, dtype=np.float32).T for x in X]  # aeon gives (channels, time)
+    if len(X) == 0:
+        if not _has_data_line(path):
+            raise DataError(f"{path}: no @data line: a .ts file has a header (@problemName, @univariate, "
+                            "@classLabel ...) and then @data, followed by one series per line")
+        raise DataError(f"{path}: no series after the @data line")
+    seqs = [np.asarray(x).T for x in X]  # aeon gives (channels, time); float32 cast (and check) in _build
     if y is None or len(y) != len(seqs):
-        raise DataError(f"{path}: the file has no class or target labels")
-    class_names = None
+        if targets_required:
+            raise DataError(f"{path}: the file has no class or target labels")
+        return _from_sequences(seqs, None, str(path), task, drop_nonfinite, class_names)
     if meta.get("classlabel") and task != "regression":
-        class_names = [str(c) for c in (meta.get("class_values") or sorted(set(map(str, y))))]
-        index = {c: i for i, c in enumerate(class_names)}
+        names = class_names or [str(c) for c in (meta.get("class_values") or sorted(set(map(str, y))))]
+        index = {c: i for i, c in enumerate(names)}
         unknown = [i for i, v in enumerate(y) if str(v) not in index]
         if unknown:
-            raise DataError(f"{path}: sample {unknown[0]} has label {y[unknown[0]]!r}, "
-                            f"not one of @classLabel {class_names}")
+            which = "the model's classes" if class_names else "@classLabel"
+            raise DataError(f"{path}: sample {unknown[0]} has label {str(y[unknown[0]])!r}, "
+                            f"not one of {which} {names}")
         targets = np.array([index[str(v)] for v in y], dtype=np.int64)
-        task = "classification"
-    else:
-        try:
-            targets = np.asarray(y, dtype=np.float32)
-        except ValueError:
-            raise DataError(f"{path}: target labels are not numeric") from None
-    return _from_sequences(seqs, targets, str(path), task, drop_nonfinite, class_names)
+        return _from_sequences(seqs, targets, str(path), "classification", drop_nonfinite, names)
+    try:
+        targets = np.asarray(y, dtype=np.float64)
+    except ValueError:
+        raise DataError(f"{path}: target labels are not numeric") from None
+    return _from_sequences(seqs, targets, str(path), task, drop_nonfinite)
 
 
 def synthetic(num_samples: int = 2000, seed: int = 0, num_features: int = 36, min_length: int = 50,
@@ -398,3 +505,87 @@ class LengthBucketSampler(Sampler[List[int]]):
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {mine}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class DistributedLengthSampler(LengthBucketSampler):
+    """LengthBucketSampler over global steps, plus each rank's balanced share of them.
+
+    Iterating yields the global steps: batches of world_size x devices_per_rank x
+    samples_per_device sample indices, the same on every rank (same lengths, seed and epoch);
+    `shard(batch)` is this rank's part, longest-first over all ranks' devices (lpt_shard). Every
+    sample is used once per epoch; the last step may be short, leaving some ranks few or no
+    samples. With world_size=1 it is exactly LengthBucketSampler(lengths, devices x k).
+
+    Checkpoints (state_dict) hold the global step size and position only, so they resume on any
+    world size: with the same global step size the run continues exactly; with another one, the
+    rest of the interrupted epoch (the samples not yet used, in the same order) is cut into steps
+    of the new size, and later epochs follow the new size.
+    """
+
+    def __init__(self, lengths: Sequence[int], samples_per_device: int, devices_per_rank: int = 1, rank: int = 0,
+                 world_size: int = 1, shuffle: bool = True, seed: int = 0, bucket_batches: int = 50,
+                 drop_last: bool = False) -> None:
+        if min(samples_per_device, devices_per_rank, world_size) < 1:
+            raise ValueError("samples_per_device, devices_per_rank and world_size must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        super().__init__(lengths, samples_per_device * devices_per_rank * world_size, shuffle=shuffle, seed=seed,
+                         bucket_batches=bucket_batches, drop_last=drop_last)
+        self.samples_per_device, self.devices_per_rank = samples_per_device, devices_per_rank
+        self.rank, self.world_size = rank, world_size
+        # Earlier parts of the current epoch that ran with other step sizes: [(batch_size, batches used)].
+        self.resized: List[Tuple[int, int]] = []
+        self._cache: Optional[Tuple[Any, List[List[int]]]] = None
+
+    def shard(self, batch: Sequence[int]) -> List[int]:
+        """This rank's sample indices of the global step `batch`."""
+        return [batch[i] for i in lpt_shard(self.lengths[list(batch)].tolist(), self.rank, self.world_size,
+                                            self.devices_per_rank, self.samples_per_device)]
+
+    def _cut(self, order: List[int], bs: int) -> List[List[int]]:
+        out = [order[i:i + bs] for i in range(0, len(order), bs)]
+        return [b for b in out if len(b) == bs] if self.drop_last else out
+
+    def batches(self, epoch: int) -> List[List[int]]:
+        if epoch != self.epoch or not self.resized:
+            return super().batches(epoch)
+        key = (epoch, self.batch_size, tuple(self.resized))
+        if self._cache is None or self._cache[0] != key:
+            left: Optional[List[int]] = None
+            for bs, used in self.resized:
+                if left is None:
+                    seg = LengthBucketSampler(self.lengths, bs, shuffle=self.shuffle, seed=self.seed,
+                                              bucket_batches=self.bucket_batches,
+                                              drop_last=self.drop_last).batches(epoch)
+                else:
+                    seg = self._cut(left, bs)
+                left = [i for b in seg[used:] for i in b]
+            self._cache = (key, self._cut(left or [], self.batch_size))
+        return self._cache[1]
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch)) if self.resized else super().__len__()
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.resized = []
+
+    def state_dict(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = super().state_dict()
+        if self.resized:
+            state["resized"] = [list(r) for r in self.resized]
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore epoch and position, written with this or any other global step size (a resume on
+        another world size, number of devices or samples_per_device)."""
+        if "num_samples" in state and int(state["num_samples"]) != len(self.lengths):
+            raise ValueError(f"sampler state has num_samples={state['num_samples']}, this sampler has "
+                             f"{len(self.lengths)}")
+        resized = [(int(a), int(b)) for a, b in state.get("resized", [])]
+        epoch, position = int(state["epoch"]), int(state["position"])
+        saved_bs = int(state.get("batch_size", self.batch_size))
+        if saved_bs != self.batch_size and (position or resized):
+            resized.append((saved_bs, position))
+            position = 0
+        self.epoch, self.position, self.resized, self._cache = epoch, position, resized, None

@@ -68,11 +68,9 @@ from torch import Tensor
 
 from . import ops
 from .scheduling import lpt_shard
-from .data import LengthBucketSampler
 
 __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "DistributedError", "env_world_size", "timeout_from_env",
-           "init_from_env", "start_from_env", "rank_and_world", "CrossProcessMerge",
-           "DistributedLengthSampler"]
+           "init_from_env", "start_from_env", "rank_and_world", "CrossProcessMerge"]
 
 TIMEOUT_ENV = "VLSEQ_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -373,88 +371,3 @@ class CrossProcessMerge:
     def shard(self, lengths: Sequence[int], samples_per_device: int, devices_per_rank: int) -> List[int]:
         """This rank's positions in a global step with these sample lengths (lpt_shard)."""
         return lpt_shard(lengths, self.rank, self.world_size, devices_per_rank, samples_per_device)
-
-
-class DistributedLengthSampler(LengthBucketSampler):
-    """LengthBucketSampler over global steps, plus each rank's balanced share of them.
-
-    Iterating yields the global steps: batches of world_size x devices_per_rank x
-    samples_per_device sample indices, the same on every rank (same lengths, seed and epoch);
-    `shard(batch)` is this rank's part, longest-first over all ranks' devices (lpt_shard). Every
-    sample is used once per epoch; the last step may be short, leaving some ranks few or no
-    samples. With world_size=1 it is exactly LengthBucketSampler(lengths, devices x k).
-
-    Checkpoints (state_dict) hold the global step size and position only, so they resume on any
-    world size: with the same global step size the run continues exactly; with another one, the
-    rest of the interrupted epoch (the samples not yet used, in the same order) is cut into steps
-    of the new size, and later epochs follow the new size.
-    """
-
-    def __init__(self, lengths: Sequence[int], samples_per_device: int, devices_per_rank: int = 1, rank: int = 0,
-                 world_size: int = 1, shuffle: bool = True, seed: int = 0, bucket_batches: int = 50,
-                 drop_last: bool = False) -> None:
-        if min(samples_per_device, devices_per_rank, world_size) < 1:
-            raise ValueError("samples_per_device, devices_per_rank and world_size must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        super().__init__(lengths, samples_per_device * devices_per_rank * world_size, shuffle=shuffle, seed=seed,
-                         bucket_batches=bucket_batches, drop_last=drop_last)
-        self.samples_per_device, self.devices_per_rank = samples_per_device, devices_per_rank
-        self.rank, self.world_size = rank, world_size
-        # Earlier parts of the current epoch that ran with other step sizes: [(batch_size, batches used)].
-        self.resized: List[Tuple[int, int]] = []
-        self._cache: Optional[Tuple[Any, List[List[int]]]] = None
-
-    def shard(self, batch: Sequence[int]) -> List[int]:
-        """This rank's sample indices of the global step `batch`."""
-        return [batch[i] for i in lpt_shard(self.lengths[list(batch)].tolist(), self.rank, self.world_size,
-                                            self.devices_per_rank, self.samples_per_device)]
-
-    def _cut(self, order: List[int], bs: int) -> List[List[int]]:
-        out = [order[i:i + bs] for i in range(0, len(order), bs)]
-        return [b for b in out if len(b) == bs] if self.drop_last else out
-
-    def batches(self, epoch: int) -> List[List[int]]:
-        if epoch != self.epoch or not self.resized:
-            return super().batches(epoch)
-        key = (epoch, self.batch_size, tuple(self.resized))
-        if self._cache is None or self._cache[0] != key:
-            left: Optional[List[int]] = None
-            for bs, used in self.resized:
-                if left is None:
-                    seg = LengthBucketSampler(self.lengths, bs, shuffle=self.shuffle, seed=self.seed,
-                                              bucket_batches=self.bucket_batches,
-                                              drop_last=self.drop_last).batches(epoch)
-                else:
-                    seg = self._cut(left, bs)
-                left = [i for b in seg[used:] for i in b]
-            self._cache = (key, self._cut(left or [], self.batch_size))
-        return self._cache[1]
-
-    def __len__(self) -> int:
-        return len(self.batches(self.epoch)) if self.resized else super().__len__()
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.resized = []
-
-    def state_dict(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = super().state_dict()
-        if self.resized:
-            state["resized"] = [list(r) for r in self.resized]
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore epoch and position, written with this or any other global step size (a resume on
-        another world size, number of devices or samples_per_device)."""
-        if "num_samples" in state and int(state["num_samples"]) != len(self.lengths):
-            raise ValueError(f"sampler state has num_samples={state['num_samples']}, this sampler has "
-                             f"{len(self.lengths)}")
-        resized = [(int(a), int(b)) for a, b in state.get("resized", [])]
-        epoch, position = int(state["epoch"]), int(state["position"])
-        saved_bs = int(state.get("batch_size", self.batch_size))
-        if saved_bs != self.batch_size and (position or resized):
-            resized.append((saved_bs, position))
-            position = 0
-        self.epoch, self.position, self.resized, self._cache = epoch, position, resized, None
-

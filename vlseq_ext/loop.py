@@ -1,69 +1,352 @@
-"""The training loop over a dataset: what ParallelTrainer.fit runs.
+"""The one training loop of vlseq_ext: `TrainingLoop`, resumable, used by ParallelTrainer.fit (through
+`fit` below) and by vlseq-train.
 
-(Being unified with vlseq-train's resumable loop: see the CLI package.)
+A loop walks a resumable batch sampler: every batch it yields is one *global* step (the same on every
+process under torchrun), which the loop cuts with `trainer.shard(lengths)` into this process's share
+(longest first over every process's devices) before `trainer.step`. It stops after `max_steps` steps
+in total, after `epochs` epochs, or after the step at which a stop was requested (`request_stop`, e.g.
+from a signal handler; with several processes every rank stops after the same step: the request rides
+in the step's all-reduce, read back with `trainer.stop_requested()`).
+
+Its state (`state_dict`: step, epoch, position within the epoch, and the sampler's own state) saved
+after any step resumes exactly there: a resumed loop runs the same steps, in the same order, as one
+that was never interrupted.
+
+Sampler protocol (LengthBucketSampler, DistributedLengthSampler, `OrderedBatches`,
+`IterableBatches`): attributes `epoch` and `position` (batches of this epoch already handed out),
+`__iter__` yielding the rest of the current epoch's batches, `set_epoch(e)`, `state_dict()` /
+`load_state_dict()`, and `__len__` (batches per epoch) or `epoch_over()` when the length is unknown
+up front. A batch is a list of keys; `get_item(key)` returns the sample (x, y).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .scheduling import sample_length
 
+__all__ = ["TrainingLoop", "Callback", "OrderedBatches", "IterableBatches", "fit"]
 
-def fit(trainer, data, epochs: int = 1, max_steps: Optional[int] = None, shuffle: bool = False,
-        seed: int = 0, val_data=None, log_every: int = 0) -> List[Dict[str, float]]:
-    """See ParallelTrainer.fit."""
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    history: List[Dict[str, float]] = []
-    steps_done = 0
-    for epoch in range(epochs):
-        order = None
-        if shuffle and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-            g = torch.Generator().manual_seed(seed + epoch)
-            order = torch.randperm(len(data), generator=g).tolist()
-        it = (data[i] for i in order) if order is not None else iter(data)
-        t0 = time.perf_counter()
-        total = torch.zeros((), device=trainer.master_device)
-        n = steps = 0
-        batch: List[Tuple[Any, Any]] = []
-        stop = False
-        for item in it:
-            batch.append(item)
-            if len(batch) == trainer.samples_per_step * trainer.world_size:  # [distributed] a global step
-                total += _fit_step(trainer, batch)
-                n, steps, batch = n + len(batch), steps + 1, []
-                if max_steps is not None and steps_done + steps >= max_steps:
-                    stop = True
-                    break
-        if batch and not stop:
-            total += _fit_step(trainer, batch)
-            n, steps = n + len(batch), steps + 1
-        if n == 0:
+
+class Callback:
+    """Hooks of a TrainingLoop; override any. All get the loop (`loop.step`, `loop.epoch`,
+    `loop.position`, `loop.sampler`, `loop.trainer`)."""
+
+    def on_step(self, loop: "TrainingLoop", batch: Sequence[Any], loss: Tensor) -> None:
+        """After every step. `batch`: the global step's keys; `loss`: trainer.step's return value
+        (the step's global loss, sum or mean per trainer.reduction)."""
+
+    def on_epoch_end(self, loop: "TrainingLoop") -> None:
+        """After the last step of an epoch, before the sampler moves on: `loop.epoch` is still the
+        finished epoch's index."""
+
+    def on_step_end(self, loop: "TrainingLoop", epoch_end: bool, stopping: bool) -> None:
+        """Last thing of every step, after the move to the next epoch (when `epoch_end`) and the
+        decision to stop (`stopping`, with `loop.stop_reason`): where a checkpoint belongs."""
+
+
+class TrainingLoop:
+    """Trains `trainer` on the batches of `sampler`; see the module docstring.
+
+    Args:
+        trainer: a ParallelTrainer (or anything with step, shard, world_size, stop_requested,
+            request_stop).
+        sampler: a resumable batch sampler (module docstring); each batch is one global step.
+        get_item: key -> (x, y).
+        max_steps, epochs: stop after this many steps in total / once `sampler.epoch` reaches this
+            many epochs (None: no such limit; at least one must be given).
+        callbacks: Callback instances, called in order.
+
+    `run()` returns `stop_reason`: "max_steps", "epochs" or, after `request_stop(reason)`, that
+    reason ("peer" when only another process asked).
+    """
+
+    def __init__(self, trainer: Any, sampler: Any, get_item: Callable[[Any], Tuple[Any, Any]],
+                 max_steps: Optional[int] = None, epochs: Optional[int] = None,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        if max_steps is None and epochs is None:
+            raise ValueError("TrainingLoop: give max_steps or epochs (or both)")
+        for name, v in (("max_steps", max_steps), ("epochs", epochs)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if _known_len(sampler) == 0:
             raise ValueError("empty dataset: no samples to train on")
-        if trainer.is_cuda:
+        self.trainer, self.sampler, self.get_item = trainer, sampler, get_item
+        self.max_steps, self.epochs = max_steps, epochs
+        self.callbacks = list(callbacks)
+        self.step = 0
+        self.stop_reason: Optional[str] = None
+        self._requested: Optional[Any] = None
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return int(self.sampler.epoch)
+
+    @property
+    def position(self) -> int:
+        return int(self.sampler.position)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "position": self.position,
+                "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue at the saved step (the sampler may reject a state that does not fit it: ValueError)."""
+        self.sampler.load_state_dict(state["sampler"] if "sampler" in state else
+                                     {"epoch": state["epoch"], "position": state["position"]})
+        self.step = int(state["step"])
+        self.stop_reason = None
+
+    # -- stopping -------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether a limit (max_steps, epochs) is reached."""
+        return self._limit() is not None
+
+    def _limit(self) -> Optional[str]:
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return "max_steps"
+        if self.epochs is not None and self.epoch >= self.epochs:
+            return "epochs"
+        return None
+
+    def request_stop(self, reason: Any = "requested") -> None:
+        """Stop after the current (or next) step; safe to call from a signal handler. With several
+        processes every rank stops after the same step, once the request has reached all of them."""
+        if self._requested is None:
+            self._requested = reason
+
+    def total_steps(self) -> Optional[int]:
+        """Steps of the whole run, when known: min(max_steps, epochs x steps per epoch)."""
+        n = _known_len(self.sampler)
+        limits = [t for t in (self.max_steps, self.epochs * n if self.epochs and n is not None else None) if t]
+        return min(limits) if limits else None
+
+    def _should_stop(self) -> bool:
+        reason = self._limit()
+        if reason is None and getattr(self.trainer, "world_size", 1) > 1:
+            if self.trainer.stop_requested():  # the same answer on every rank after the same step
+                reason = self._requested if self._requested is not None else "peer"
+        elif reason is None and self._requested is not None:
+            reason = self._requested
+        if reason is not None:
+            self.stop_reason = reason
+        return reason is not None
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> Optional[str]:
+        """Train until a limit or a stop request; returns stop_reason."""
+        trainer, sampler = self.trainer, self.sampler
+        distributed = getattr(trainer, "world_size", 1) > 1
+        self.stop_reason = self._limit()
+        while self.stop_reason is None:
+            if _epoch_over(sampler):  # never saved so; be safe anyway
+                sampler.set_epoch(self.epoch + 1)
+                self.stop_reason = self._limit()
+                continue
+            stepped = False
+            for batch in sampler:
+                stepped = True
+                if distributed and self._requested is not None:
+                    trainer.request_stop()
+                items = [self.get_item(k) for k in batch]
+                if distributed:  # this rank's longest-first share of the global step
+                    items = [items[i] for i in trainer.shard([sample_length(x) for x, _ in items])]
+                loss = trainer.step([x for x, _ in items], [y for _, y in items])
+                self.step += 1
+                for cb in self.callbacks:
+                    cb.on_step(self, batch, loss)
+                epoch_end = _epoch_over(sampler)
+                if epoch_end:
+                    self._end_epoch()
+                stopping = self._should_stop()
+                for cb in self.callbacks:
+                    cb.on_step_end(self, epoch_end, stopping)
+                if stopping:
+                    return self.stop_reason
+            if not stepped:
+                if self.step == 0 and self.position == 0:
+                    raise ValueError("empty dataset: no samples to train on")
+                sampler.set_epoch(self.epoch + 1)
+                self.stop_reason = self._limit()
+        return self.stop_reason
+
+    def _end_epoch(self) -> None:
+        for cb in self.callbacks:
+            cb.on_epoch_end(self)
+        self.sampler.set_epoch(self.epoch + 1)
+
+
+def _known_len(sampler: Any) -> Optional[int]:
+    try:
+        return len(sampler)
+    except TypeError:
+        return None
+
+
+def _epoch_over(sampler: Any) -> bool:
+    over = getattr(sampler, "epoch_over", None)
+    if over is not None:
+        return bool(over())
+    return sampler.position >= len(sampler)
+
+
+# ------------------------------------------------------------------------------------------------
+# samplers for plain datasets (ParallelTrainer.fit)
+
+
+class OrderedBatches:
+    """Resumable steps of `batch_size` consecutive indices 0..num_samples-1 (the last may be short),
+    in order, or with shuffle=True in the order torch.randperm(num_samples) draws from a generator
+    seeded with seed + epoch."""
+
+    def __init__(self, num_samples: int, batch_size: int, shuffle: bool = False, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.num_samples, self.batch_size, self.shuffle, self.seed = int(num_samples), int(batch_size), shuffle, seed
+        self.epoch = self.position = 0
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def order(self, epoch: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        epoch, order, bs = self.epoch, self.order(self.epoch), self.batch_size
+        while self.epoch == epoch and self.position < len(self):
+            self.position += 1
+            yield order[(self.position - 1) * bs:self.position * bs]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
+                "num_samples": self.num_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for key, mine in (("batch_size", self.batch_size), ("num_samples", self.num_samples)):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {mine}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class IterableBatches:
+    """Resumable steps of `batch_size` consecutive items of an iterable that is read again every
+    epoch (a DataLoader, a generator-backed dataset): the batches hold the items themselves (use
+    get_item=lambda item: item). It reads one item ahead, so it knows at the last batch that the
+    epoch is over. Resuming at position p re-reads and skips the first p batches."""
+
+    def __init__(self, data: Any, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.data, self.batch_size = data, int(batch_size)
+        self.epoch = self.position = 0
+        self._over = False
+
+    def epoch_over(self) -> bool:
+        return self._over
+
+    def __iter__(self) -> Iterator[List[Any]]:
+        epoch, it = self.epoch, iter(self.data)
+        sentinel = object()
+        nxt = next(it, sentinel)
+        for _ in range(self.position * self.batch_size):  # resume: skip what was trained on
+            if nxt is sentinel:
+                break
+            nxt = next(it, sentinel)
+        self._over = nxt is sentinel
+        while self.epoch == epoch and not self._over:
+            batch = []
+            while nxt is not sentinel and len(batch) < self.batch_size:
+                batch.append(nxt)
+                nxt = next(it, sentinel)
+            self._over = nxt is sentinel
+            self.position += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position, self._over = int(epoch), 0, False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "batch_size" in state and int(state["batch_size"]) != self.batch_size:
+            raise ValueError(f"sampler state has batch_size={state['batch_size']}, this sampler has {self.batch_size}")
+        self.epoch, self.position, self._over = int(state["epoch"]), int(state["position"]), False
+
+
+# ------------------------------------------------------------------------------------------------
+# ParallelTrainer.fit
+
+
+class _FitHistory(Callback):
+    """fit's per-epoch records: loss (per-sample mean), samples, steps, samples/s, skipped steps,
+    val_loss."""
+
+    def __init__(self, trainer: Any, val_data: Any) -> None:
+        self.trainer, self.val_data = trainer, val_data
+        self.history: List[Dict[str, float]] = []
+        self._open = False
+
+    def _start(self) -> None:
+        self._open = True
+        self.total: Optional[Tensor] = None
+        self.n = self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def on_step(self, loop: TrainingLoop, batch: Sequence[Any], loss: Tensor) -> None:
+        if not self._open:
+            self._start()
+        part = loss * len(batch) if self.trainer.reduction == "mean" else loss  # the step's loss sum
+        self.total = part if self.total is None else self.total + part
+        self.n, self.steps = self.n + len(batch), self.steps + 1
+
+    def on_epoch_end(self, loop: TrainingLoop) -> None:
+        self._close(loop.epoch)
+
+    def on_step_end(self, loop: TrainingLoop, epoch_end: bool, stopping: bool) -> None:
+        if stopping and self._open:  # max_steps in the middle of an epoch: a record of its part
+            self._close(loop.epoch)
+
+    def _close(self, epoch: int) -> None:
+        self._open = False
+        if any(d.type == "cuda" for d in self.trainer.devices):
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        steps_done += steps
-        rec = {"epoch": epoch, "loss": float(total) / n, "samples": n, "steps": steps,
-               "samples_per_s": n / elapsed if elapsed > 0 else math.inf, "skipped_steps": trainer.skipped_steps}
-        if val_data is not None:
-            vx, vy = zip(*[(x, y) for x, y in val_data])
-            _, losses = trainer.evaluate(list(vx), list(vy))
+        elapsed = time.perf_counter() - self.t0
+        rec = {"epoch": epoch, "loss": float(self.total) / self.n, "samples": self.n, "steps": self.steps,
+               "samples_per_s": self.n / elapsed if elapsed > 0 else math.inf,
+               "skipped_steps": self.trainer.skipped_steps}
+        if self.val_data is not None:
+            vx, vy = zip(*[(x, y) for x, y in self.val_data])
+            _, losses = self.trainer.evaluate(list(vx), list(vy))
             rec["val_loss"] = float(losses.mean())
-        history.append(rec)
-        if stop:
-            break
-    return history
+        self.history.append(rec)
 
 
-def _fit_step(trainer, batch: List[Tuple[Any, Any]]) -> Tensor:
-    mine = batch
-    if trainer.world_size > 1:  # [distributed] this rank's longest-first share of the global step
-        mine = [batch[i] for i in trainer.shard([sample_length(b[0]) for b in batch])]
-    loss = trainer.step([b[0] for b in mine], [b[1] for b in mine])  # the global loss: sum, or mean
-    return loss * len(batch) if trainer.reduction == "mean" else loss
+def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = None, shuffle: bool = False,
+        seed: int = 0, val_data: Any = None, log_every: int = 0) -> List[Dict[str, float]]:
+    """See ParallelTrainer.fit: a TrainingLoop over `data` in order (or shuffled per epoch with
+    seed + epoch), global steps of world_size x samples_per_step samples, the last one of an epoch
+    possibly short. `data` with __len__ and __getitem__ is read by index; anything else (a
+    DataLoader) is iterated once per epoch. Returns one record per epoch (the last one covers the
+    part trained before max_steps)."""
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    step_size = trainer.samples_per_step * trainer.world_size  # [distributed] a global step
+    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        sampler: Any = OrderedBatches(len(data), step_size, shuffle=shuffle, seed=seed)
+        get_item: Callable[[Any], Any] = data.__getitem__
+    else:
+        sampler, get_item = IterableBatches(data, step_size), (lambda item: item)
+    history = _FitHistory(trainer, val_data)
+    TrainingLoop(trainer, sampler, get_item, max_steps=max_steps, epochs=epochs, callbacks=[history]).run()
+    return history.history

@@ -1,0 +1,176 @@
+"""Checks that run before any training (or prediction) starts, each failing with one line (CLIError,
+exit code 2): numbers that make no sense, sizes that cannot fit, output paths that cannot be written,
+and a new run that would overwrite an old one. They touch no file: a directory created to prove
+that it can be is removed again."""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from ..checkpoint import CHECKPOINT_NAME
+
+# The model may not have more parameters than this (8 GiB of float32 weights, and as much again for
+# the gradients and twice for Adam's state, per device).
+MAX_PARAMETERS = 2 ** 31
+# The synthetic set: 36 features, lengths 50..500 (mean 275); building it holds about 3 copies.
+SYNTHETIC_BYTES_PER_SAMPLE = 275 * 36 * 4 * 3
+FALLBACK_PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
+                         "tiff", "webp")
+
+
+class CLIError(Exception):
+    """A usage or configuration problem: printed as one line, exit code 2."""
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_numbers(cfg: Dict[str, Any]) -> None:
+    """Every numeric option: finite, and in the range where it means something."""
+    for k in ("hidden", "layers", "samples_per_device", "synthetic_samples"):
+        if cfg[k] < 1:
+            raise CLIError(f"{_flag(k)} must be >= 1, got {cfg[k]}")
+    for k in ("epochs", "max_steps"):
+        if cfg[k] is not None and cfg[k] < 1:
+            raise CLIError(f"{_flag(k)} must be >= 1, got {cfg[k]}")
+    if cfg["checkpoint_every"] < 0:
+        raise CLIError(f"--checkpoint-every must be >= 0 (0: only at epoch ends), got {cfg['checkpoint_every']}")
+    if not 0 <= cfg["seed"] < 2 ** 63:
+        raise CLIError(f"--seed must be in [0, 2**63), got {cfg['seed']}")
+    positive = {"lr": cfg["lr"], "log_interval": cfg["log_interval"]}
+    if cfg["clip_grad"] is not None:
+        positive["clip_grad"] = cfg["clip_grad"]
+    for k, v in positive.items():
+        if not (math.isfinite(v) and v > 0):
+            raise CLIError(f"{_flag(k)} must be a finite number > 0, got {v}")
+    v = cfg["val_fraction"]
+    if not (math.isfinite(v) and 0 <= v < 1):
+        raise CLIError(f"--val-fraction must be in [0, 1), got {v}")
+
+
+def physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def rnn_parameters(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int) -> int:
+    """Parameters of SeqModel (unidirectional): gates x H x (in + H + 2) per layer, plus the head."""
+    gates = 4 if rnn == "lstm" else 3
+    n = sum(gates * hidden * ((input_dim if layer == 0 else hidden) + hidden + 2) for layer in range(layers))
+    return n + hidden * output_dim + output_dim
+
+
+def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "") -> None:
+    n = rnn_parameters(rnn, input_dim, hidden, layers, output_dim)
+    if n > MAX_PARAMETERS:
+        raise CLIError(f"{what or f'--hidden {hidden} --layers {layers}'}: the model would have {n:,} parameters "
+                       f"({_gb(4 * n)} of float32 weights, about {_gb(16 * n)} with gradients and Adam's state); "
+                       f"the limit is {MAX_PARAMETERS:,}")
+
+
+def check_sizes(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> None:
+    """Refuse sizes that cannot fit before anything is allocated: the model (with what is known of the
+    data now; the run checks again with the data's real shape) and the synthetic set."""
+    meta = (ckpt or {}).get("data") or {}
+    features = int(meta.get("num_features", 36 if cfg["data"] == "synthetic" else 1))
+    outputs = int(meta.get("output_dim", 1))
+    check_model_size(cfg["model"], features, cfg["hidden"], cfg["layers"], outputs)
+    if cfg["data"] == "synthetic":
+        need, have = cfg["synthetic_samples"] * SYNTHETIC_BYTES_PER_SAMPLE, physical_memory()
+        if need > (have or 64 * 2 ** 30):
+            raise CLIError(f"--synthetic-samples {cfg['synthetic_samples']}: building the synthetic set needs about "
+                           f"{_gb(need)} of memory, this machine has {_gb(have) if have else 'less'}")
+
+
+# ------------------------------------------------------------------------------------------------
+# output paths
+
+
+def check_dir(path: Path, flag: str) -> None:
+    """`path` is (or can be created as) a directory where files can be written. Creates nothing that
+    stays: a missing directory is created and removed again."""
+    if path.exists():
+        if not path.is_dir():
+            raise CLIError(f"{flag} {path}: is a file, not a directory" if path.is_file()
+                           else f"{flag} {path}: exists and is not a directory")
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise CLIError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+        return
+    missing: List[Path] = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise CLIError(f"{flag} {path}: cannot be created: {p} is a file, not a directory")
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise CLIError(f"{flag} {path}: cannot be created: {exc.strerror or exc}") from None
+    for d in missing:  # deepest first: leave the file system as it was
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -> None:
+    """`path` can be written as a file: not a directory, its folder usable, its extension one of
+    `formats` (when given). An existing file is fine (the caller decides about overwriting)."""
+    if formats is not None:
+        ext = path.suffix.lower().lstrip(".")
+        known = sorted(formats)
+        if not ext:
+            raise CLIError(f"{flag} {path}: no file extension (use one of: {', '.join('.' + f for f in known)})")
+        if ext not in known:
+            raise CLIError(f"{flag} {path}: unknown extension .{ext} (use one of: "
+                           f"{', '.join('.' + f for f in known)})")
+    if path.is_dir():
+        raise CLIError(f"{flag} {path}: is a directory, not a file")
+    if path.exists():
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise CLIError(f"{flag} {path}: the file is not writable")
+        return
+    check_dir(path.parent if str(path.parent) else Path("."), flag + " folder")
+
+
+def plot_formats() -> List[str]:
+    """The file formats matplotlib can save (a fixed list when matplotlib is not installed)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+        return sorted(FigureCanvasBase.get_supported_filetypes())
+    except ImportError:
+        return list(FALLBACK_PLOT_FORMATS)
+
+
+def check_output_paths(cfg: Dict[str, Any]) -> None:
+    check_dir(Path(cfg["checkpoint_dir"]), "--checkpoint-dir")
+    check_file(Path(cfg["metrics"]), "--metrics")
+    check_file(Path(cfg["plot"]), "--plot", plot_formats())
+
+
+def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:
+    """A new run must not replace an old run's checkpoint or metrics (use --resume or --overwrite)."""
+    run_dir = Path(cfg["checkpoint_dir"])
+    found = [p for p in (run_dir / CHECKPOINT_NAME, Path(cfg["metrics"])) if p.is_file() and p.stat().st_size > 0]
+    if not found:
+        return
+    names = ", ".join(str(p) for p in found)
+    if (run_dir / CHECKPOINT_NAME) in found or cfg.get("metrics_default", True):
+        raise CLIError(f"--checkpoint-dir {run_dir} already holds a run ({names}): continue it with --resume "
+                       f"{run_dir}, choose another --checkpoint-dir, or pass --overwrite to replace it")
+    raise CLIError(f"--metrics {cfg['metrics']} already exists: continue its run with --resume, choose another "
+                   "--metrics file, or pass --overwrite to replace it")
