@@ -13,7 +13,7 @@ in both modes and, in the same run, with DDP (one process per GPU, packed batche
 DDP baseline): samples/s for BENCHMARKS.md.
 
 Writes OUT/results.json and OUT/summary.md; prints the summary. Each subprocess is bounded by
---timeout seconds. NCCL_NVLS_ENABLE=0 is set (DESIGN.md §5).
+--timeout seconds. NCCL_NVLS_ENABLE=0 is set (NVLink multicast stays off on the lent GPU machines).
 """
 from __future__ import annotations
 

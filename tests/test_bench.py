@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from vlseq_ext.bench.__main__ import parse_devices
+from vlseq_ext.bench import sweep
+from vlseq_ext.bench.__main__ import bench_devices
 from vlseq_ext.bench.baselines import run_ddp
 from vlseq_ext.bench.report import Results, evaluate_targets, validate, write_outputs
 from vlseq_ext.bench.timing import stats, time_loop
@@ -112,27 +113,38 @@ def test_flatten_suite_on_one_cpu_device(tmp_path):
 
 def test_ddp_worker_gloo_survives_a_failing_job():
     timing = {"repeats": 2, "target_s": 0.01, "min_iters": 2}
+    late = {"kind": "sweep", "method": "ddp", "form": "one", "spec": {"rnn": "lstm", "hidden": 4, "layers": 1},
+            "k": 2, "fused": False, "pool": {"n": 4, "seed": 0, "min_len": 5, "max_len": 9}, "warm_steps": 2,
+            "timing": timing}
     jobs = [{"key": "flat", "kind": "merge_flat", "numel": 1000, "dtype": "bfloat16", "timing": timing},
             {"key": "bad", "kind": "no_such_job", "timing": timing},
+            {"key": "late", **late, "deadline_s": -1.0},  # past the sweep's deadline: every rank skips it
+            {"key": "one_ddp", **late, "deadline_s": 600.0},
             {"key": "seed", "kind": "merge_seed", "timing": timing},
             {"key": "train", "kind": "train", "model": {}, "k": 2, "pool": 4, "timing": dict(timing, min_iters=1)}]
     res = run_ddp(jobs, [torch.device("cpu")] * 2, timeout_s=120)
     assert "no_such_job" in res["bad"]["error"]
-    for key in ("flat", "seed", "train"):
+    assert "time budget" in res["late"]["skip"]
+    for key in ("flat", "seed", "train", "one_ddp"):
         assert "error" not in res[key], res[key]
         assert len(res[key]["times"]) == 2 and all(t > 0 for t in res[key]["times"])
     assert res["train"]["setup_s"] > 0
 
 
-def test_parse_devices():
-    assert parse_devices("cpu:2") == [torch.device("cpu")] * 2
-    assert parse_devices("cpu") == [torch.device("cpu")]
-    if not torch.cuda.is_available():
-        assert parse_devices(None) == [torch.device("cpu")] * 2
-        with pytest.raises(ValueError, match="cpu:2"):
-            parse_devices("2")
+def test_bench_devices_use_the_one_device_parser():
+    from vlseq_ext import devices
+    from vlseq_ext.bench import __main__ as bench_main
+    assert bench_main.parse_devices is devices.parse_devices  # no parser of its own
+    assert bench_devices("cpu:2") == [torch.device("cpu")] * 2
+    assert bench_devices("cpu") == [torch.device("cpu")]
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        assert bench_devices(None) == devices.parse_devices(None)
+    else:  # the bench's default without GPUs: two CPU "devices", so the multi-device suites run
+        assert bench_devices(None) == [torch.device("cpu")] * 2
+        with pytest.raises(ValueError, match="cpu"):
+            bench_devices("2")
         with pytest.raises(ValueError):
-            parse_devices("0,1")
+            bench_devices("0,1")
 
 
 def test_time_loop_and_stats():
@@ -161,6 +173,8 @@ def _gpu_shaped_results() -> Results:
             r.record(f"merge.flat_fp32.{size}.algbw_gbps", name, [gbps, gbps - 1, gbps + 1])
     r.set("merge.p2p_copy_gbps", 381.0)
     r.set("merge.p2p_copy_gbps_spread", stats([380.0, 381.0, 382.0]))
+    r.set("merge.p2p_copy_bidir_gbps", 364.0)
+    r.set("merge.p2p_copy_bidir_gbps_spread", stats([363.0, 364.0, 365.0]))
     for wl, k, sps in (("w1_k1_seed", 1, {"one_gpu": 467.0, "seed_style": 384.0, "vlseq": 1500.0}),
                        ("w2_k32_seed", 32, {"one_gpu_packed": 1715.0, "vlseq_1gpu": 2000.0, "vlseq": 3900.0})):
         r.set(f"train.{wl}", {"model": {"name": "seed"}, "params": 26177, "k": k, "pool_samples": 64,
@@ -190,6 +204,8 @@ def test_targets_and_report_on_gpu_shaped_results(tmp_path):
     assert t["M2"]["status"] == "missed"  # 330/381 = 87% < 90%
     assert t["M2"]["checks"]["x_cat_nccl"]["ok"] and not t["M2"]["checks"]["fraction_of_p2p_copy"]["ok"]
     assert t["M2"]["best_variant"]["method"] == "vlseq_two_shot"  # reported beside the default's status
+    assert t["M2"]["fraction_of_bidir_copy"] == pytest.approx(330 / 364) and "bidirectional ceiling" in t["M2"]["detail"]
+    assert "W3" not in t  # no sweep in these results
     assert t["W1"]["status"] == "met" and not t["W1"]["checks"]["goal"]["ok"]
     assert t["W2"]["status"] == "not run" and "ddp_nccl" in t["W2"]["detail"]
     assert t["F1"]["status"] == "missed" and t["F1"]["ratio"] == pytest.approx(3272 / 3972)  # 82% < 85%
@@ -275,10 +291,171 @@ def test_gpu_plan_has_every_method_and_target_input():
             "flatten.many_tensors.vlseq", "flatten.many_tensors.vlseq_unflatten"} if ops.has_cuda_kernels() else set()
     assert ours | {"merge.seed_model.seed_style", "merge.seed_model.reduce_add_coalesced", "merge.seed_model.cat_nccl",
                    "merge.seed_model.ddp_nccl", "merge.flat_fp32.256MB.cat_nccl", "merge.flat_bf16.1MB.ddp_nccl",
-                   "merge.p2p_copy_gbps", "train.w1_k1_seed.one_gpu", "train.w1_k1_seed.seed_style",
+                   "merge.p2p_copy_gbps", "merge.p2p_copy_bidir_gbps", "train.w1_k1_seed.one_gpu", "train.w1_k1_seed.seed_style",
                    "train.w1_k1_seed.vlseq", "train.w2_k32_seed.vlseq_1gpu", "train.w2_k32_seed.ddp_nccl",
                    "train.w2_k32_seed.data_parallel", "train.w2_k32_large.one_gpu_packed",
                    "flatten.seed_model.cat", "flatten.seed_model.flatten_dense_tensors", "flatten.many_tensors.copy",
                    "flatten.many_tensors.cat", "flatten.many_tensors.foreach_copy"} <= keys
     assert set(res.data["skipped"]) == {f"train.{w}.{m}" for w in ("w1_k1_large", "w2_k32_large")
                                         for m in train.VARIANTS if m != "vlseq_eager" or w.startswith("w1")}
+
+
+# ------------------------------------------------------------------------------------------------
+# the sweep (target W3) and the diagnostics suite
+SWEEP_METHODS = {"vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_gloo", "one_gpu_packed", "one_gpu", "one_gpu_best"}
+
+
+def test_quick_cpu_run_sweeps_every_point_and_method(quick_run):
+    out, d, stdout = quick_run
+    plan = sweep.plan_for(cuda=False, quick=True)
+    points = d["train"]["sweep"]
+    assert set(points) == {sweep.point_name(f, m, k) for m in plan.models for k in plan.ks for f in sweep.FORMS}
+    assert len(points) == 12 and "list_lstm_h16_l2_k4" in points and "one_bigru_h8_l2_k1" in points
+    assert not [k for k in d["errors"] if k.startswith("train.sweep")], d["errors"]
+    assert "gloo" in d["skipped"]["train.sweep.ddp_nccl"]  # the one method that does not run on CPU, and why
+    for name, p in points.items():
+        sps = p["samples_per_s"]
+        assert set(sps) == set(p["setup_s"]) == SWEEP_METHODS, name
+        assert all(v > 0 for v in list(sps.values()) + list(p["setup_s"].values())), name
+        assert sps["one_gpu_best"] == max(sps["one_gpu_packed"], sps["one_gpu"])
+        assert p["num_devices"]["vlseq"] == p["num_devices"]["vlseq_mp"] == 2 and p["num_devices"]["vlseq_1gpu"] == 1
+        r = p["ratio"]
+        assert set(r) == {"vs_ddp", "vs_1gpu", "vs_one_gpu_best", "vs_best", "vs_mp"}
+        assert r["vs_best"] == pytest.approx(sps["vlseq"] / max(sps["ddp_gloo"], sps["one_gpu_best"]))
+        assert r["vs_ddp"] == pytest.approx(sps["vlseq"] / sps["ddp_gloo"])
+        checks = p["target"]["checks"]
+        assert set(checks) == {"vs_ddp", "vs_1gpu", "vs_one_gpu_best"}
+        assert checks["vs_1gpu"]["threshold"] == 1.8 and checks["vs_ddp"]["threshold"] == 1.3
+        assert p["target"]["status"] == ("met" if all(c["ok"] for c in checks.values()) else "missed")
+    for m in plan.models:  # the one-GPU loops are measured once per model and k, for both forms
+        for k in plan.ks:
+            a, b = (points[sweep.point_name(f, m, k)]["samples_per_s"] for f in sweep.FORMS)
+            assert a["one_gpu"] == b["one_gpu"] and a["one_gpu_packed"] == b["one_gpu_packed"]
+    info = d["train"]["sweep_info"]
+    assert info["ddp_method"] == "ddp_gloo" and set(info["optimizer"].values()) == {"Adam(lr=1e-3)"}
+    assert d["targets"]["W3"]["status"] == "not run" and "12 points" in d["targets"]["W3"]["detail"]
+    assert d["timings_s"]["sweep"] > 0
+    summary = (out / "summary.md").read_text()
+    assert "## Training sweep" in summary and "| list_lstm_h8_l1_k1 |" in summary and "| LSTM h8 l1 | one |" in summary
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed: the heat map is not drawn")
+def test_quick_cpu_run_draws_the_sweep_heat_map(quick_run):
+    out, d, _ = quick_run
+    assert (out / sweep.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({sweep.PLOT_FILE})" in (out / "summary.md").read_text()
+
+
+def test_quick_cpu_run_diagnostics(quick_run):
+    out, d, _ = quick_run
+    diag = d["diag"]
+    assert set(diag["step_options"]["us_per_step"]) == {"master_step_broadcast", "replicated_step"}
+    assert {"empty_loop", "tiny_op", "dispatcher_round_trip"} <= set(diag["host"]["us_per_call"])
+    assert set(diag["trainer_phases"]) == {"k1", "k4"}
+    for p in diag["trainer_phases"].values():
+        assert p["wall_us_per_step"] > 0 and p["steps"] >= 1
+    for key in ("diag.kernels", "diag.crossover", "diag.host.launch"):
+        assert key in d["skipped"]
+    assert not [k for k in d["errors"] if k.startswith("diag")], d["errors"]
+    assert "## Diagnostics: merge + optimizer + sync per step" in (out / "summary.md").read_text()
+
+
+def test_sweep_and_diag_gpu_plans():
+    """What a 2-GPU run would measure (planning only: nothing touches a GPU)."""
+    from vlseq_ext import ops
+    from vlseq_ext.bench import diag
+    from vlseq_ext.bench.timing import Budget
+
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for quick, n_points in ((False, 42), (True, 12)):
+        res = Results({})
+        tasks, jobs = sweep.tasks(devs, Budget.make(quick), res)
+        points = res.get("train.sweep")
+        assert len(points) == n_points and res.data["skipped"] == {}
+        keys = {t.key for t in tasks} | {j["key"] for j, _ in jobs}
+        for name in points:
+            assert {f"train.sweep.{name}.{m}" for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl")} <= keys
+        assert sum(k.endswith(".one_gpu_packed") for k in keys) == sum(k.endswith(".one_gpu") for k in keys) \
+            == n_points // 2  # once per model and k
+        assert len(jobs) == 2 * n_points and all(j["fused"] and j["kind"] == "sweep" for j, _ in jobs)
+        assert set(res.get("train.sweep_info.optimizer").values()) == {"Adam(lr=1e-3, fused=True)"}
+        budget = Budget.make(quick)
+        assert sum(j["timeout_s"] for j, _ in jobs) == pytest.approx(budget.sweep_mp_deadline_s + 10 * len(jobs))
+    res = Results({})
+    sweep.tasks(devs, Budget.make(False), res)
+    assert {"list_lstm_h256_l2_k32", "one_lstm_h1024_l2_k8", "one_bigru_h256_l2_k1"} <= set(res.get("train.sweep"))
+    assert res.get("train.sweep.one_bigru_h256_l2_k1.params") == sum(
+        p.numel() for p in sweep.make_model(sweep.ModelSpec("bigru", 256, 2), "one").parameters())
+
+    res = Results({})
+    tasks, jobs = diag.tasks(devs, Budget.make(False), res)
+    keys = {t.key for t in tasks}
+    assert jobs == [] and {"diag.step_options.master_step_broadcast", "diag.step_options.replicated_step",
+                           "diag.host.launch", "diag.trainer_phases.k1", "diag.trainer_phases.k32"} <= keys
+    if ops.has_cuda_kernels():
+        assert {"diag.kernels.flatten_256MB_200", "diag.kernels.unflatten_256MB_200", "diag.kernels.copy_256MB",
+                "diag.kernels.merge_seed", "diag.kernels.two_shot_256MB", "diag.crossover.1MB.nccl",
+                "diag.crossover.64KB.vlseq"} <= keys
+    else:
+        assert "CUDA kernels" in res.data["skipped"]["diag.kernels"]
+
+
+def test_one_sample_model_is_seq_model_that_takes_one_sample():
+    x = torch.randn(7, 36)
+    for spec in (sweep.ModelSpec("lstm", 8, 2), sweep.ModelSpec("bigru", 8, 2)):
+        a, b = sweep.make_model(spec, "list"), sweep.make_model(spec, "one")
+        pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+        assert list(pa) == list(pb) and all(torch.equal(pa[n], pb[n]) for n in pa)  # same layout, same weights
+        torch.testing.assert_close(b(x), a(x))
+        with pytest.raises(AttributeError):  # a list of samples: no unsqueeze
+            b([x, x])
+
+
+def _sweep_results() -> Results:
+    meta = {"date": "d", "command": "vlseq-bench", "argv": [], "quick": False, "suite": "sweep",
+            "devices": ["cuda:0", "cuda:1"], "device_type": "cuda", "num_devices": 2, "gpu_count": 2,
+            "gpu_names": ["NVIDIA H200"] * 2, "peer_access": [[True, True], [True, True]], "torch": "2.11",
+            "cuda": "13.0", "cudnn": 9, "nccl": "2.27", "driver": "580"}
+    r = Results(meta)
+    r.set("train.sweep_info", {"devices": meta["devices"], "ddp_method": "ddp_nccl", "pool_samples": 16,
+                               "lengths": [50, 500], "optimizer": {"vlseq": "Adam(lr=1e-3, fused=True)"}})
+    for name, form, k, sps in (
+            ("list_lstm_h64_l1_k1", "list", 1, {"vlseq": 4000.0, "vlseq_1gpu": 2000.0, "vlseq_mp": 3000.0,
+                                                "ddp_nccl": 900.0, "one_gpu_packed": 400.0, "one_gpu": 450.0}),
+            ("one_lstm_h64_l1_k1", "one", 1, {"vlseq": 3000.0, "vlseq_1gpu": 2000.0, "ddp_nccl": 900.0,
+                                              "one_gpu_packed": 400.0, "one_gpu": 450.0}),
+            ("list_lstm_h64_l1_k32", "list", 32, {"vlseq": 5000.0, "vlseq_1gpu": 2500.0, "one_gpu_packed": 1500.0,
+                                                  "one_gpu": 1000.0})):
+        r.set(f"train.sweep.{name}", {"form": form, "rnn": "lstm", "hidden": 64, "layers": 1, "k": k, "params": 26177,
+                                      "pool_samples": 16, "num_devices": {}, "notes": {}, "setup_s": {"vlseq": 1.5}})
+        for m, v in sps.items():
+            r.record(f"train.sweep.{name}.samples_per_s", m, [v, v * 0.9, v * 1.1])
+    return r
+
+
+def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
+    r = _sweep_results()
+    sweep.finalize(r)
+    met, missed, partial = (r.get(f"train.sweep.{n}") for n in
+                            ("list_lstm_h64_l1_k1", "one_lstm_h64_l1_k1", "list_lstm_h64_l1_k32"))
+    assert met["samples_per_s"]["one_gpu_best"] == 450 and met["one_gpu_best_method"] == "one_gpu"
+    assert met["samples_per_s_spread"]["one_gpu_best"]["min"] == pytest.approx(405)
+    assert met["ratio"]["vs_best"] == pytest.approx(4000 / 900) and met["ratio"]["vs_mp"] == pytest.approx(4 / 3)
+    assert met["target"]["status"] == "met"
+    assert missed["target"]["status"] == "missed" and not missed["target"]["checks"]["vs_1gpu"]["ok"]  # 1.5 < 1.8
+    assert partial["target"]["status"] == "incomplete" and partial["one_gpu_best_method"] == "one_gpu_packed"
+    assert "vs_best" not in partial["ratio"] and partial["ratio"]["vs_one_gpu_best"] == pytest.approx(5000 / 1500)
+    t = evaluate_targets(r)["W3"]
+    assert t["status"] == "missed" and t["ratio"] == pytest.approx(3000 / 900)
+    assert "1 of 3 points met, 1 incomplete" in t["detail"] and "missed: one_lstm_h64_l1_k1" in t["detail"]
+    md = write_outputs(r, str(tmp_path), log=lambda s: None)
+    assert validate(json.loads((tmp_path / "bench-results.json").read_text())) == []
+    assert "## Training sweep" in md and "| LSTM h64 l1 | list | 4.44 met | incomplete |" in md
+    assert "| one_lstm_h64_l1_k1 | 3,000 | 2,000 | - | 900 | 450 (per-sample) |" in md
+    if HAVE_MPL:
+        assert (tmp_path / sweep.PLOT_FILE).exists()
+    d = json.loads((tmp_path / "bench-results.json").read_text())
+    d["train"]["sweep"]["one_lstm_h64_l1_k1"]["target"]["status"] = "fine"
+    d["train"]["sweep"]["one_lstm_h64_l1_k1"]["ratio"]["vs_ddp"] = -1
+    problems = validate(d)
+    assert any("target.status" in p for p in problems) and any("one_lstm_h64_l1_k1.ratio" in p for p in problems)

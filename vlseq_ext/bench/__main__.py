@@ -14,7 +14,8 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from . import flatten, merge, train
+from ..devices import parse_devices
+from . import diag, flatten, merge, sweep, train
 from .baselines import run_ddp
 from .report import Results, Skip, Task, collect_meta, write_outputs
 from .timing import Budget
@@ -22,29 +23,16 @@ from .timing import Budget
 TASK_STALL_S = 180  # print every thread's stack when one task runs longer than this
 
 
-def parse_devices(spec: Optional[str]) -> List[torch.device]:
-    """None: every GPU, else two CPU "devices". "2": the first 2 GPUs; "0,1" / "cuda:0,cuda:1":
-    those GPUs; "cpu:2": two CPU devices (replicas in one process, for machines without GPUs)."""
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if spec is None:
-        return [torch.device("cuda", i) for i in range(ngpu)] if ngpu else [torch.device("cpu")] * 2
-    spec = spec.strip()
-    if spec.startswith("cpu"):
-        n = int(spec.partition(":")[2] or 1)
-        if n < 1:
-            raise ValueError("cpu:N needs N >= 1")
-        return [torch.device("cpu")] * n
-    if "," in spec or spec.startswith("cuda"):
-        idx = [int(s.strip().replace("cuda:", "")) for s in spec.split(",") if s.strip()]
-    else:
-        idx = list(range(int(spec)))
-    if not idx:
-        raise ValueError("no devices")
-    bad = [i for i in idx if not 0 <= i < ngpu]
-    if bad or len(set(idx)) != len(idx):
-        hint = "" if ngpu else "; use --devices cpu:2"
-        raise ValueError(f"GPU indices {idx} do not fit the {ngpu} GPU(s) visible{hint}")
-    return [torch.device("cuda", i) for i in idx]
+SUITES = ("merge", "flatten", "diag", "train", "sweep")
+
+
+def bench_devices(spec: Optional[str]) -> List[torch.device]:
+    """--devices, parsed by vlseq_ext.devices.parse_devices (the one device parser). Without the
+    option: every visible GPU, and on a machine without GPUs two CPU "devices" ("cpu:2"), so the
+    multi-device suites still run their CPU versions."""
+    if spec is None and not (torch.cuda.is_available() and torch.cuda.device_count()):
+        spec = "cpu:2"
+    return parse_devices(spec)
 
 
 def _run_task(task: Task, res: Results, cuda: bool) -> None:
@@ -67,7 +55,8 @@ def _run_task(task: Task, res: Results, cuda: bool) -> None:
 
 
 def _run_ddp_jobs(ddp_jobs: List[tuple], devices: List[torch.device], res: Results, timeout_s: float) -> None:
-    """All DDP jobs of the run in one spawn (process start and NCCL init are paid once)."""
+    """All jobs of the run's worker processes (DDP, and our trainer one process per device) in one
+    spawn: process start and NCCL init are paid once."""
     try:
         results = run_ddp([job for job, _ in ddp_jobs], devices, timeout_s=timeout_s)
     except Exception as exc:
@@ -80,6 +69,8 @@ def _run_ddp_jobs(ddp_jobs: List[tuple], devices: List[torch.device], res: Resul
         if "error" in r:
             res.error(job["key"], r["error"])
             tqdm.write(f"error in {job['key']}: {r['error']}")
+        elif "skip" in r:
+            res.skip(job["key"], r["skip"])
         else:
             on_result(r)
 
@@ -92,24 +83,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "bench-results.json, summary.md and plots to --out. Without GPUs it runs the CPU versions "
                     "and lists what it skipped.")
     ap.add_argument("--quick", action="store_true",
-                    help="a short run (under 2 minutes): fewer repeats, seed model only")
-    ap.add_argument("--suite", choices=("merge", "train", "flatten", "all"), default="all",
-                    help="merge: gradient merge and all-reduce (M1, M2); train: samples/s (W1, W2); flatten: "
-                         "ops.flatten / unflatten_ on the first device (F1); default all")
+                    help="a short run: fewer repeats, the seed model only in the train suite, a subset of the "
+                         "sweep (under 3 minutes for --suite sweep on 2 GPUs)")
+    ap.add_argument("--suite", choices=SUITES + ("all",), default="all",
+                    help="merge: gradient merge and all-reduce (M1, M2); flatten: ops.flatten / unflatten_ on the "
+                         "first device (F1); diag: the measurements behind the design choices (kernel vs host "
+                         "time, algorithm crossover, optimizer-step options, trainer phases); train: samples/s of "
+                         "the seed and a large model (W1, W2); sweep: samples/s over model sizes, samples per GPU "
+                         "and model forms against DDP and the best one-GPU loop (W3); default all")
     ap.add_argument("--devices", default=None,
-                    help='"2" (first 2 GPUs), "0,1" (these GPUs), "cpu:2" (2 CPU devices); '
-                         'default: all GPUs, else cpu:2')
+                    help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
+                         'GPUs), "cpu:2" (2 CPU devices); default: all GPUs, else cpu:2')
     ap.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed repeats per measurement (default 7 merge and flatten / 5 train; quick 5 / 3)")
+                    help="timed repeats per measurement (default 7 merge, flatten and diag / 5 train / 3 sweep; "
+                         "quick 5 / 3 / 3)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
 
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast, here and in the DDP processes (DESIGN.md §5)
+    # No NVLink multicast (NCCL's NVLS), here and in the worker processes: it stays off on the lent GPU machines.
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
     try:
-        devices = parse_devices(args.devices)
+        devices = bench_devices(args.devices)
     except ValueError as exc:
-        ap.error(f"--devices {args.devices}: {exc}")
+        ap.error(f"--{exc}")  # "--devices '2': asks for the first 2 GPUs but 0 are visible; ..."
     cuda = devices[0].type == "cuda"
     if not cuda:
         # One intra-op thread: the CPU "devices" share the cores anyway (as do the gloo DDP processes,
@@ -125,17 +122,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             "ParallelTrainer on CPU devices, gloo DDP); GPU-only methods are skipped and listed at the end.")
 
     tasks, ddp_jobs = [], []
-    for suite, mod in (("merge", merge), ("flatten", flatten), ("train", train)):
+    mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep}
+    for suite in SUITES:
         if args.suite in (suite, "all"):
-            t, j = mod.tasks(devices, budget, res)
+            t, j = mods[suite].tasks(devices, budget, res)
             tasks += t
             ddp_jobs += j
 
-    if ddp_jobs:  # after the seed-model workloads, so a run cut short still has every target's inputs
-        ddp = Task("ddp", f"ddp ({len(devices)} processes, {len(ddp_jobs)} jobs)",
-                   lambda: _run_ddp_jobs(ddp_jobs, devices, res, timeout_s=180 if args.quick else 300))
-        extra = [t for t in tasks if t.key.startswith("train.") and "_large." in t.key]
-        tasks = [t for t in tasks if t not in extra] + [ddp] + extra
+    # Order: merge, flatten, diag, the seed-model workloads, the worker processes (every suite's jobs
+    # in one spawn), the large-model workloads, the sweep; a run cut short still has every target's
+    # inputs but the sweep's.
+    later = [t for t in tasks if t.key.startswith("train.") and "_large." in t.key] + \
+        [t for t in tasks if t.section == "sweep"]
+    tasks = [t for t in tasks if t not in later]
+    if ddp_jobs:
+        timeout_s = (180 if args.quick else 300) + sum(job.get("timeout_s", 0) for job, _ in ddp_jobs)
+        tasks.append(Task("ddp", f"ddp ({len(devices)} processes, {len(ddp_jobs)} jobs)",
+                          lambda: _run_ddp_jobs(ddp_jobs, devices, res, timeout_s=timeout_s)))
+    tasks += later
 
     t_start = time.perf_counter()
     timings: Dict[str, float] = defaultdict(float)
@@ -157,6 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bar.close()
     train.add_ratios(res, cuda)
     flatten.add_fractions(res)
+    sweep.finalize(res)
     timings["total"] = time.perf_counter() - t_start
     md = write_outputs(res, args.out, log=say)
     print(md)

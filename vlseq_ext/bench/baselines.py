@@ -9,6 +9,7 @@ as a DataLoader would hand them over, and each loop moves them itself.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -40,12 +41,13 @@ warnings.filterwarnings("ignore", message="RNN module weights are not part of si
 Pool = Tuple[List[Tensor], List[Tensor]]
 
 
-def make_pool(n: int, seed: int = 0, pin: bool = False) -> Pool:
-    """n synthetic samples: x of shape (L, 36) with L uniform in [50, 500], y of shape (1,); the
-    same for a given (n, seed) in every process."""
+def make_pool(n: int, seed: int = 0, pin: bool = False, min_len: int = MIN_LEN, max_len: int = MAX_LEN,
+              features: int = FEATURES) -> Pool:
+    """n synthetic samples: x of shape (L, 36) with L uniform in [50, 500] (by default), y of shape
+    (1,); the same for given arguments in every process."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=g).tolist()
-    xs = [torch.randn(L, FEATURES, generator=g) for L in lengths]
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    xs = [torch.randn(L, features, generator=g) for L in lengths]
     ys = [torch.randn(1, generator=g) for _ in lengths]
     if pin:
         xs = [x.pin_memory() for x in xs]
@@ -79,7 +81,11 @@ def _need_gpus(devices: Sequence[torch.device], what: str) -> None:
         raise Skip(f"{what} needs >= 2 CUDA devices")
 
 
-def _adam(model: nn.Module) -> torch.optim.Optimizer:
+def _adam(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """Adam(lr=1e-3) over the model's parameters; fused=True (one multi-tensor kernel per step, and
+    the trainer's non-finite guard without a host sync) needs them on a GPU."""
+    if fused:
+        return torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -131,7 +137,7 @@ def build_one_gpu_packed(make_model, devices, k, pool) -> Loop:
 
 
 def build_seed_style(make_model, devices, k, pool) -> Loop:
-    """The seed's loop, corrected (DESIGN.md §1): replicate every step, one sample per GPU,
+    """The seed's loop, corrected (docs/design.md, "The seed's loop"): replicate every step, one sample per GPU,
     parallel_apply, one backward over all losses. Backward through replicate sums every
     replica's gradient into the master's .grad (autograd's merge), so no Python merge; then Adam
     on the master."""
@@ -241,15 +247,16 @@ def free_port() -> int:
 
 def run_ddp(jobs: List[dict], devices: Sequence[torch.device], timeout_s: float) -> Dict[str, dict]:
     """Runs `jobs` in len(devices) spawned processes (NCCL on CUDA, gloo on CPU), each job timed
-    inside the processes. Returns {job key: {"times": [per repeat, max over ranks]} or {"error": str}}.
-    A crash or hang (past timeout_s) costs only the jobs that had not finished."""
+    inside the processes. Returns {job key: {"times": [per repeat, max over ranks], "setup_s"} or
+    {"error": str} or {"skip": str} (a job that decided, on every rank, not to run)}. A crash or hang
+    (past timeout_s) costs only the jobs that had not finished."""
     import torch.multiprocessing as mp
 
     world = len(devices)
     cuda = devices[0].type == "cuda"
     backend = "nccl" if cuda else "gloo"
     ids = [d.index for d in devices] if cuda else [None] * world
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (DESIGN.md §5); inherited by the children
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines; inherited by the children
     failure = ""
     with tempfile.TemporaryDirectory(prefix="vlseq-bench-ddp-") as tmp:
         ctx = mp.start_processes(ddp_worker, args=(world, free_port(), backend, ids, jobs, tmp),
@@ -280,8 +287,11 @@ def run_ddp(jobs: List[dict], devices: Sequence[torch.device], timeout_s: float)
         key = job["key"]
         res = [rk.get(key) for rk in per_rank]
         errs = [r["error"] for r in res if r and "error" in r]
+        skips = [r["skip"] for r in res if r and "skip" in r]
         if errs:
             out[key] = {"error": errs[0]}
+        elif skips:
+            out[key] = {"skip": skips[0]}
         elif all(r and "times" in r for r in res):
             out[key] = {"times": [max(ts) for ts in zip(*(r["times"] for r in res))],
                         "setup_s": max(r.get("setup_s", 0.0) for r in res)}
@@ -328,6 +338,9 @@ def ddp_worker(rank: int, world: int, port: int, backend: str, ids: List, jobs: 
         with open(path + ".tmp", "w") as f:  # after every job, so a later hang loses nothing before it
             json.dump(results, f)
         os.replace(path + ".tmp", path)
+        gc.collect()  # a job's models, trainers and CUDA graphs go before the next job's
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -352,6 +365,9 @@ def _ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -
 
         def fn() -> None:
             dist.all_reduce(buf)
+    elif job["kind"] == "sweep":
+        from .sweep import mp_job
+        return mp_job(job, rank, world, dev, sync, agree)
     elif job["kind"] == "train":
         k = job["k"]
         torch.manual_seed(0)

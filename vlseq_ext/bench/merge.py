@@ -14,8 +14,7 @@ import torch
 import torch.cuda.comm  # noqa: F401  (not imported by `import torch`)
 from torch import Tensor
 
-from .. import ops, reference
-from ..comm import GradientMerger
+from .. import GradientMerger, ops, reference
 from ..models import SeqModel
 from .report import SIZES, Results, Task
 from .timing import Budget, stats, synchronizer, time_loop
@@ -64,6 +63,20 @@ def cat_nccl(grads: Grads) -> MergeFn:
         torch.cuda.nccl.all_reduce(flats)
         for gs, f in zip(grads, flats):
             torch._foreach_copy_(gs, [v.view_as(g) for v, g in zip(f.split(numels), gs)])
+    return merge
+
+
+def vlseq_unfused(grads: Grads) -> MergeFn:
+    """Our ops, unfused: ops.flatten each device's grads into a flat buffer, ops.all_reduce_ the
+    buffers, ops.unflatten_ back (three launches per device where GradientMerger.merge makes one)."""
+    flats = [torch.empty(sum(g.numel() for g in gs), dtype=gs[0].dtype, device=gs[0].device) for gs in grads]
+
+    def merge() -> None:
+        for gs, f in zip(grads, flats):
+            ops.flatten(gs, out=f)
+        ops.all_reduce_(flats, "sum")
+        for gs, f in zip(grads, flats):
+            ops.unflatten_(f, gs)
     return merge
 
 
@@ -136,6 +149,29 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
         res.set("merge.p2p_copy_direction", f"{devices[0]}->{devices[1]}")
     add("merge.p2p_copy_gbps", p2p_copy, needs_cuda=True)
 
+    def p2p_copy_bidir() -> None:
+        """Both directions at once: 256 MB device 0 -> 1 and 256 MB 1 -> 0, each copy on its own
+        pair of streams (a peer copy runs on the source's current stream and waits for the
+        destination's), so the two run concurrently. GB/s per direction: the ceiling of a 2-GPU
+        all-reduce, which must move the buffer both ways at the same time."""
+        nbytes = SIZES["256MB"]
+        d0, d1 = devices[0], devices[1]
+        a0, b0 = torch.ones(nbytes, dtype=torch.uint8, device=d0), torch.empty(nbytes, dtype=torch.uint8, device=d0)
+        a1, b1 = torch.ones(nbytes, dtype=torch.uint8, device=d1), torch.empty(nbytes, dtype=torch.uint8, device=d1)
+        fwd = (torch.cuda.Stream(d0), torch.cuda.Stream(d1))
+        back = (torch.cuda.Stream(d0), torch.cuda.Stream(d1))
+
+        def both() -> None:
+            with torch.cuda.stream(fwd[0]), torch.cuda.stream(fwd[1]):
+                b1.copy_(a0, non_blocking=True)
+            with torch.cuda.stream(back[0]), torch.cuda.stream(back[1]):
+                b0.copy_(a1, non_blocking=True)
+        ts = time_loop(both, sync, repeats=budget.merge_repeats, warmup=2, target_s=budget.flat_target_s, min_iters=3)
+        st = stats([nbytes / t / 1e9 for t in ts])
+        res.set("merge.p2p_copy_bidir_gbps", st["median"])
+        res.set("merge.p2p_copy_bidir_gbps_spread", st)
+    add("merge.p2p_copy_bidir_gbps", p2p_copy_bidir, needs_cuda=True)
+
     def p2p_status() -> None:
         res.set("merge.p2p_status", ops.p2p_status([torch.empty(16, device=d) for d in devices]))
     add("merge.p2p_status", p2p_status)
@@ -153,8 +189,8 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
         "reduce_add_coalesced": (lambda ps: reduce_add_coalesced(grads(ps)), True, False),
         "cat_nccl": (lambda ps: cat_nccl(grads(ps)), True, False),
         "nccl_flat": (lambda ps: nccl_flat([torch.cat([g.view(-1) for g in gs]) for gs in grads(ps)]), True, False),
-        "vlseq": (lambda ps: GradientMerger(ps, fused=True).merge, False, True),
-        "vlseq_unfused": (lambda ps: GradientMerger(ps, fused=False).merge, False, True),
+        "vlseq": (lambda ps: GradientMerger(ps).merge, False, True),
+        "vlseq_unfused": (lambda ps: vlseq_unfused(grads(ps)), False, True),
     }
     # ops.all_reduce_tensors_ (what the fused merger calls) with each algorithm this build has
     for algo in accepted_algos(lambda b, a: ops.all_reduce_tensors_([[t] for t in b], 1.0, a)):

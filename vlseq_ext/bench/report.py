@@ -1,5 +1,5 @@
-"""Results: the recorder every suite writes into, the DESIGN.md §4 target checks, and the outputs
-(bench-results.json, summary.md, PNG plots). The JSON schema is in the package docstring."""
+"""Results: the recorder every suite writes into, the target checks (docs/design.md, "Targets"), and
+the outputs (bench-results.json, summary.md, PNG plots). The JSON schema is in the package docstring."""
 from __future__ import annotations
 
 import datetime
@@ -35,7 +35,8 @@ class Results:
 
     def __init__(self, meta: Dict[str, Any]) -> None:
         self.data: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "meta": meta, "merge": {}, "flatten": {},
-                                     "train": {}, "targets": {}, "skipped": {}, "errors": {}, "timings_s": {}}
+                                     "diag": {}, "train": {}, "targets": {}, "skipped": {}, "errors": {},
+                                     "timings_s": {}}
 
     def node(self, path: str) -> Dict[str, Any]:
         d = self.data
@@ -120,13 +121,14 @@ def collect_meta(devices: Sequence[torch.device], argv: List[str], quick: bool, 
 
 
 # ------------------------------------------------------------------------------------------------
-# targets (DESIGN.md §4)
+# targets (docs/design.md, "Targets")
 TARGETS = {
     "M1": ("merge of seed-model grads, 2 GPUs", "<= 15 us/merge, >= 16x seed-style, >= 3.9x cat+NCCL"),
     "M2": ("all-reduce of 256 MB fp32, 2 GPUs", ">= 90% of copy-engine P2P bandwidth; faster than torch.cuda.nccl"),
     "W1": ("train seed model, 1 sample/GPU/step", ">= 1.9x plain one-GPU loop (goal >= 6x)"),
     "W2": ("train seed model, k=32/GPU", ">= 1.5x DDP; 2 GPUs >= 1.9x our 1-GPU run"),
     "F1": ("flatten of 256 MB over 200 fp32 tensors, 1 GPU", ">= 85% of a same-device copy's bandwidth"),
+    # W3 (the sweep) is checked per point in vlseq_ext.bench.sweep; its entry comes from sweep.target_summary.
 }
 
 
@@ -194,6 +196,15 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
     fl = "flatten.many_tensors.gbps_rw."
     check("F1", {"v": fl + "vlseq", "copy": fl + "copy"},
           lambda v: [("fraction_of_copy", v["v"] / v["copy"], ">=", 0.85)], "fraction_of_copy", gpus=1)
+    # M2 beside the practical ceiling: a 2-GPU all-reduce moves the buffer both ways at once.
+    bidir, m2 = res.get("merge.p2p_copy_bidir_gbps"), res.get(bw + "vlseq")
+    if bidir and m2 and out["M2"].get("checks"):
+        out["M2"]["fraction_of_bidir_copy"] = m2 / bidir
+        out["M2"]["detail"] += (f"; {100 * m2 / bidir:.1f}% of the copy engines' bidirectional ceiling "
+                                f"({_fmt(bidir)} GB/s per direction, both at once)")
+    if res.get("train.sweep_info") is not None:
+        from .sweep import target_summary  # (sweep imports this module)
+        out["W3"] = target_summary(res.data)
     return out
 
 
@@ -225,11 +236,13 @@ def markdown(res: Results, plots: Sequence[str] = ()) -> str:
          f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, NCCL {meta['nccl']}, "
          f"driver {meta['driver']}",
          "- times: median of the repeats, min–max beside it; synchronized loops, warm-up first", ""]
-    L += ["## Targets (DESIGN.md §4)", ""]
+    L += ["## Targets (see docs/design.md)", ""]
     L += _table(["id", "workload", "target", "status", "measured"],
                 [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
                  for tid, t in d["targets"].items()])
-    L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + _train_md(d["train"])
+    from . import diag, sweep  # (both import this module)
+    L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + diag.markdown_lines(d) + _train_md(d["train"]) + \
+        sweep.markdown_lines(d)
     if d["skipped"]:
         by_reason: Dict[str, List[str]] = {}
         for k, why in d["skipped"].items():
@@ -271,6 +284,11 @@ def _merge_md(m: Dict[str, Any]) -> List[str]:
         L += ["", f"Copy-engine P2P copy {m.get('p2p_copy_direction', '')}, 256 MB: "
                   f"**{_fmt(m['p2p_copy_gbps'])} GB/s** [{_spread(m.get('p2p_copy_gbps_spread'))}] "
                   "(the ceiling for M2)."]
+    if m.get("p2p_copy_bidir_gbps") is not None:
+        L += ["", f"Both directions at once (256 MB each way, one stream pair per direction): "
+                  f"**{_fmt(m['p2p_copy_bidir_gbps'])} GB/s per direction** "
+                  f"[{_spread(m.get('p2p_copy_bidir_gbps_spread'))}]: the practical ceiling of a 2-GPU "
+                  "all-reduce, which moves the buffer both ways at once."]
     return L
 
 
@@ -317,8 +335,9 @@ def _train_md(train: Dict[str, Any]) -> List[str]:
 
 
 def plot(res: Results, out_dir: str) -> List[str]:
-    """merge_time.png (log-log time vs size per method) and train_samples_per_s.png (bars with
-    min–max error bars). Returns the file names written; raises ImportError without matplotlib."""
+    """merge_time.png (log-log time vs size per method), train_samples_per_s.png (bars with
+    min–max error bars) and the sweep's heat map (sweep_vs_best.png). Returns the file names
+    written; raises ImportError without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -360,6 +379,10 @@ def plot(res: Results, out_dir: str) -> List[str]:
         fig.savefig(os.path.join(out_dir, "train_samples_per_s.png"), dpi=110)
         plt.close(fig)
         written.append("train_samples_per_s.png")
+    from .sweep import plot_heatmap  # (sweep imports this module)
+    heat = plot_heatmap(res.data, out_dir)
+    if heat:
+        written.append(heat)
     return written
 
 
@@ -448,8 +471,9 @@ def validate(d: Dict[str, Any]) -> List[str]:
             for k in ("algbw_gbps", "us"):
                 if k in node:
                     metric(f"merge.{dt}.{size}.{k}", node[k])
-    if "p2p_copy_gbps" in m and not (isinstance(m["p2p_copy_gbps"], (int, float)) and m["p2p_copy_gbps"] > 0):
-        bad.append(f"merge.p2p_copy_gbps: expected a positive number, got {m['p2p_copy_gbps']!r}")
+    for key in ("p2p_copy_gbps", "p2p_copy_bidir_gbps"):
+        if key in m and not (isinstance(m[key], (int, float)) and m[key] > 0):
+            bad.append(f"merge.{key}: expected a positive number, got {m[key]!r}")
     f = d.get("flatten", {})  # (absent from results written before the flatten suite)
     if "us_per_call" in f.get("seed_model", {}):
         metric("flatten.seed_model.us_per_call", f["seed_model"]["us_per_call"])
@@ -463,6 +487,16 @@ def validate(d: Dict[str, Any]) -> List[str]:
     if set(fractions) - set(many.get("gbps_rw", {})) or \
             not all(isinstance(v, (int, float)) and v > 0 for v in fractions.values()):
         bad.append("flatten.many_tensors.fraction_of_copy: expected {method: positive number} for measured methods")
+    for pt, p in (d["train"].get("sweep") or {}).items():
+        if not isinstance(p, dict):
+            bad.append(f"train.sweep.{pt}: expected a dict")
+            continue
+        if "samples_per_s" in p:
+            metric(f"train.sweep.{pt}.samples_per_s", p["samples_per_s"])
+        if not all(isinstance(v, (int, float)) and v > 0 for v in p.get("ratio", {}).values()):
+            bad.append(f"train.sweep.{pt}.ratio: expected {{vs_<baseline>: positive number}}")
+        if "target" in p and p["target"].get("status") not in ("met", "missed", "incomplete"):
+            bad.append(f"train.sweep.{pt}.target.status: {p['target'].get('status')!r}")
     for wl, w in d["train"].items():
         if "samples_per_s" in w:
             metric(f"train.{wl}.samples_per_s", w["samples_per_s"])
@@ -470,7 +504,7 @@ def validate(d: Dict[str, Any]) -> List[str]:
             if not base.startswith("vs_") or not all(isinstance(v, (int, float)) for v in ratios.values()):
                 bad.append(f"train.{wl}.ratios.{base}: expected vs_<baseline>: {{method: number}}")
     for tid, t in d["targets"].items():
-        if t.get("status") not in ("met", "missed", "not run"):
+        if t.get("status") not in ("met", "missed", "not run", "incomplete"):
             bad.append(f"targets.{tid}.status: {t.get('status')!r}")
     for k in ("skipped", "errors"):
         if not all(isinstance(v, str) for v in d[k].values()):

@@ -84,10 +84,24 @@ class Budget:
     flat_target_s: float   # per repeat of a flat-buffer all-reduce or many-tensor flatten loop
     train_target_s: float  # per repeat of a training loop
     seed_merges: int = 500
+    # The sweep (many points, each measured by several methods): per method and point, `sweep_repeats`
+    # timed repeats of about `sweep_target_s` each (at least one step), after a warm-up of at most
+    # `sweep_warmup_s` (one pass over the pool). Past `sweep_deadline_s` seconds of in-process sweep
+    # work, or `sweep_mp_deadline_s` in the worker processes, the remaining points are skipped with
+    # that reason: a guard at about twice the expected time, not a planned cut.
+    sweep_repeats: int = 3
+    sweep_target_s: float = 0.15
+    sweep_warmup_s: float = 1.5
+    sweep_deadline_s: float = 420.0
+    sweep_mp_deadline_s: float = 300.0
 
     @classmethod
     def make(cls, quick: bool, repeats: Optional[int] = None) -> "Budget":
-        b = cls(True, 5, 3, 0.02, 0.02, 0.2) if quick else cls(False, 7, 5, 0.1, 0.05, 0.8)
+        if quick:
+            b = cls(True, 5, 3, 0.02, 0.02, 0.2, sweep_repeats=3, sweep_target_s=0.1, sweep_warmup_s=1.0,
+                    sweep_deadline_s=150.0, sweep_mp_deadline_s=100.0)
+        else:
+            b = cls(False, 7, 5, 0.1, 0.05, 0.8)
         if repeats:
-            b.merge_repeats = b.train_repeats = repeats
+            b.merge_repeats = b.train_repeats = b.sweep_repeats = repeats
         return b

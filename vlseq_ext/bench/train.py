@@ -128,9 +128,14 @@ def _run_method(res: Results, path: str, name: str, kw: dict, k: int, devices: L
         loop.step()
     sync()
     setup_s = time.perf_counter() - t0
-    ts = time_loop(loop.step, sync, repeats=budget.train_repeats, warmup=0, target_s=budget.train_target_s, min_iters=2)
-    _record(res, path, name, [loop.samples_per_step / t for t in ts], len(loop.devices), setup_s)
     trainer = loop.extra.get("trainer")
+    try:
+        ts = time_loop(loop.step, sync, repeats=budget.train_repeats, warmup=0, target_s=budget.train_target_s,
+                       min_iters=2)
+    finally:
+        if callable(getattr(trainer, "close", None)):
+            trainer.close()  # its device threads
+    _record(res, path, name, [loop.samples_per_step / t for t in ts], len(loop.devices), setup_s)
     if trainer is not None and getattr(trainer, "cuda_graphs", False):
         res.node(path + ".graph_stats")[name] = trainer.graph_stats()
 

@@ -1,0 +1,608 @@
+"""Sweep suite (target W3): samples/s over model sizes, samples per device and model forms.
+
+Points. Every model x k x form:
+  - models: LSTM of hidden 64, 256 and 1024 with 1 and 2 layers, and a 2-layer bidirectional GRU of
+    width 256 (36 input features, 1 output, MSE loss); on CPU the same shapes, tiny (hidden 8/16);
+  - k, samples per device per step: 1, 8, 32 (CPU: 1, 4);
+  - form: "list", SeqModel, which also takes a list of samples (so the trainer and the one-GPU
+    loop may pack them); "one", `OneSampleModel`, the seed's style: forward(x) takes ONE sample
+    (L, D), unsqueezes it and cannot take a list. Same weights layout as SeqModel.
+  `--quick`: h64 l1, h256 l2 and h1024 l1, k 1 and 32, both forms.
+
+Methods, all in one run (samples/s counts every sample of a step, all devices together):
+  vlseq           ParallelTrainer on all devices, one process (pack="auto", CUDA graphs);
+  vlseq_1gpu      ParallelTrainer on the first device;
+  vlseq_mp        ParallelTrainer(devices=[its device], process_group=WORLD), one process per
+                  device, in the run's single spawn of worker processes (NCCL; gloo on CPU);
+  ddp_nccl        DDP, one process per GPU, in the same spawn. list: k samples per process packed
+                  (pack_sequence); one: k per-sample forward + backward passes, all but the last
+                  under no_sync. On CPU the same runs over gloo as `ddp_gloo`;
+  one_gpu_packed  one device, k samples per step packed (the list model: a user could write one);
+  one_gpu         one device, k per-sample forward + backward passes, one optimizer step;
+  one_gpu_best    the faster of one_gpu_packed and one_gpu. The two one-GPU loops compute the same
+                  thing for both forms, so they are measured once per model and k (in the list
+                  point for one_gpu_packed, the one point for one_gpu) and recorded in both.
+  Optimizer: Adam(lr=1e-3), fused=True on GPUs for every method (plain Adam on CPU);
+  `train.sweep_info.optimizer` says which.
+
+Data: one pool of POOL samples per point (lengths uniform in 50-500, as the train suite's), cycled;
+a step of more samples than the pool repeats some. A small pool keeps the number of distinct
+lengths, and so the trainer's per-length CUDA-graph captures counted in setup_s, small: a dataset
+with every length from 50 to 500 would capture up to 451 per device once, then replay them.
+
+Timing, per method and point: build, warm-up (the first step; then, when the trainer replays
+per-sample graphs, `trainer.warmup` over the pool's lengths; then steps until the pool was seen
+once, at most Budget.sweep_warmup_s), all of it reported as setup_s; then Budget.sweep_repeats
+synchronized loops of about Budget.sweep_target_s each (at least one step); the median is the
+figure. Past Budget.sweep_deadline_s seconds of in-process sweep work (sweep_mp_deadline_s in the
+worker processes) the remaining points are skipped, with that reason. The worker processes run
+every point's vlseq_mp and DDP jobs in the run's one spawn (process start and NCCL init paid once).
+
+Duration on 2 x H200, estimated from the per-method setup and step costs of the train suite's runs
+(not yet measured as a whole): the full sweep about 6 minutes (~4 in this process, ~2.5 in the
+worker processes), --quick about 2; the deadlines (7 and 5 minutes; 2.5 and 1.7 with --quick) only
+stop a run that goes far past that.
+
+Results: train.sweep.<form>_<rnn>_h<H>_l<L>_k<K> with samples_per_s.<method> (and _spread),
+setup_s.<method>, ratio.{vs_ddp, vs_1gpu, vs_one_gpu_best, vs_best, vs_mp}, where vs_best =
+vlseq / max(DDP, one_gpu_best), and target: {status: met | missed | incomplete, checks}; the
+targets are vlseq >= 1.3x DDP, >= 1.8x vlseq_1gpu and >= 1.0x one_gpu_best.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import SeqModel
+from .baselines import MAX_LEN, MIN_LEN, Feeder, Loop, Pool, _adam, _packed_step, make_pool
+from .report import Results, Skip, Task
+from .timing import Budget, synchronizer, time_loop
+
+FORMS = ("list", "one")
+POOL = 12        # samples per point on GPUs (distinct lengths ~ graph captures per device and lane; see above)
+CPU_POOL = 8
+CPU_LENGTHS = (10, 40)
+CPU_TIME_SCALE = 0.2  # CPU runs are smoke runs of tiny models: a fifth of the timed seconds per repeat
+TARGETS = {"vs_ddp": 1.3, "vs_1gpu": 1.8, "vs_one_gpu_best": 1.0}  # vlseq / method >= threshold
+PLOT_FILE = "sweep_vs_best.png"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    rnn: str  # "lstm" or "bigru" (a bidirectional GRU)
+    hidden: int
+    layers: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.rnn}_h{self.hidden}_l{self.layers}"
+
+    @property
+    def label(self) -> str:
+        return f"{'biGRU' if self.rnn == 'bigru' else 'LSTM'} h{self.hidden} l{self.layers}"
+
+    def kwargs(self) -> Dict[str, Any]:
+        return {"hidden_dim": self.hidden, "num_layers": self.layers, "rnn": "gru" if self.rnn == "bigru" else "lstm",
+                "bidirectional": self.rnn == "bigru"}
+
+
+FULL_MODELS = tuple(ModelSpec("lstm", h, n) for h in (64, 256, 1024) for n in (1, 2)) + (ModelSpec("bigru", 256, 2),)
+QUICK_MODELS = (ModelSpec("lstm", 64, 1), ModelSpec("lstm", 256, 2), ModelSpec("lstm", 1024, 1))
+CPU_MODELS = (ModelSpec("lstm", 8, 1), ModelSpec("lstm", 16, 2), ModelSpec("bigru", 8, 2))
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: Tuple[ModelSpec, ...]
+    ks: Tuple[int, ...]
+    pool: int
+    min_len: int
+    max_len: int
+
+
+def plan_for(cuda: bool, quick: bool) -> Plan:
+    if not cuda:
+        return Plan(CPU_MODELS, (1, 4), CPU_POOL, *CPU_LENGTHS)
+    if quick:
+        return Plan(QUICK_MODELS, (1, 32), POOL, MIN_LEN, MAX_LEN)
+    return Plan(FULL_MODELS, (1, 8, 32), POOL, MIN_LEN, MAX_LEN)
+
+
+def point_name(form: str, spec: ModelSpec, k: int) -> str:
+    return f"{form}_{spec.name}_k{k}"
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+class OneSampleModel(nn.Module):
+    """A model written in the seed's style: forward(x) takes ONE sample x of shape (L, D),
+    makes it a batch of one (x.unsqueeze(0)), runs its batch_first RNN and a Linear on the last
+    layer's final hidden state (both directions' for a bidirectional RNN). A list of samples fails
+    (a list has no unsqueeze), so nothing can pack its samples. Submodules, parameter order and
+    initialisation are SeqModel's (`lstm`/`gru`, then `fc`): the same seed builds the same weights,
+    and state dicts load either way."""
+
+    def __init__(self, input_dim: int = 36, hidden_dim: int = 64, output_dim: int = 1, num_layers: int = 1,
+                 rnn: str = "lstm", bidirectional: bool = False) -> None:
+        super().__init__()
+        cls = {"lstm": nn.LSTM, "gru": nn.GRU}[rnn]
+        self.rnn_type = rnn
+        self.directions = 2 if bidirectional else 1
+        self.add_module(rnn, cls(input_dim, hidden_dim, num_layers=num_layers, batch_first=True,
+                                 bidirectional=bidirectional))
+        self.fc = nn.Linear(hidden_dim * self.directions, output_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unsqueeze(0)  # (L, D) -> (1, L, D)
+        _, h = getattr(self, self.rnn_type)(x)
+        h_n = h[0] if isinstance(h, tuple) else h  # LSTM: (h_n, c_n)
+        feat = h_n[-1] if self.directions == 1 else torch.cat([h_n[-2], h_n[-1]], dim=-1)
+        return self.fc(feat)
+
+
+def make_model(spec: ModelSpec, form: str) -> nn.Module:
+    torch.manual_seed(0)
+    return (SeqModel if form == "list" else OneSampleModel)(**spec.kwargs())
+
+
+@functools.lru_cache(maxsize=None)
+def param_count(spec: ModelSpec) -> int:
+    with torch.device("meta"):  # no memory, no init cost
+        return sum(p.numel() for p in SeqModel(**spec.kwargs()).parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# loops
+def _per_sample_step(model: nn.Module, opt: torch.optim.Optimizer, feed: Feeder, k: int, dev: torch.device,
+                     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None) -> Callable[[], None]:
+    """One optimizer step on k samples run one by one (forward, MSE sum, backward each). With
+    `no_sync` (DDP) every pass but the last runs under it, so gradients are all-reduced once."""
+
+    def step() -> None:
+        xs, ys = feed.next(k)
+        opt.zero_grad()
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            with no_sync() if no_sync is not None and i < k - 1 else contextlib.nullcontext():
+                out = model(x.to(dev, non_blocking=True))
+                F.mse_loss(out, y.to(dev, non_blocking=True).view_as(out), reduction="sum").backward()
+        opt.step()
+
+    return step
+
+
+def _trainer_loop(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], pool: Pool, fused: bool,
+                  process_group: Any = None) -> Loop:
+    from ..trainer import ParallelTrainer
+    model = make_model(spec, form).to(devices[0])
+    trainer = ParallelTrainer(model, _adam(model, fused), nn.MSELoss(), devices=[str(d) for d in devices],
+                              samples_per_device=k, reduction="sum", cuda_graphs=True, pack="auto",
+                              process_group=process_group)
+    feed, n = Feeder(pool), k * len(devices)
+
+    def step() -> None:
+        xs, ys = feed.next(n)
+        trainer.step(xs, ys)
+
+    loop = Loop(step, n, list(devices))
+    loop.extra["trainer"] = trainer
+    return loop
+
+
+def _one_gpu_loop(spec: ModelSpec, packed: bool, k: int, dev: torch.device, pool: Pool, fused: bool) -> Loop:
+    model = make_model(spec, "list" if packed else "one").to(dev)
+    opt, feed = _adam(model, fused), Feeder(pool)
+    step = _packed_step(model, opt, feed, k, dev) if packed else _per_sample_step(model, opt, feed, k, dev)
+    return Loop(step, k, [dev])
+
+
+def _graph_work(trainer: Any) -> int:
+    """First eager runs + captures + replays of the trainer's CUDA-graph caches so far (0 when it
+    runs no graphs: packed batches, or no CUDA)."""
+    try:
+        stats = trainer.graph_stats() or []
+    except Exception:
+        return 0
+    return sum(int(s.get(key, 0) or 0) for s in stats if isinstance(s, dict)
+               for key in ("eager_runs", "captures", "replays"))
+
+
+def warm_steps(pool: int, samples_per_step: int) -> int:
+    """Untimed steps to see the pool once: 2 to 8."""
+    return min(max(math.ceil(pool / samples_per_step), 2), 8)
+
+
+def _warm_up(loop: Loop, lengths: Sequence[int], steps: int, max_s: Optional[float]) -> None:
+    """The first step; when that step went through the trainer's CUDA-graph caches, graph captures
+    for every pool length (trainer.warmup; packed steps capture none); then the rest of `steps`,
+    stopping early after max_s (not in the worker processes, whose ranks must run the same number
+    of steps: max_s=None)."""
+    t0 = time.perf_counter()
+    loop.step()
+    trainer = loop.extra.get("trainer")
+    if trainer is not None and _graph_work(trainer):
+        trainer.warmup(sorted(set(lengths)))
+    for _ in range(steps - 1):
+        if max_s is not None and time.perf_counter() - t0 > max_s:
+            break
+        loop.step()
+
+
+def _path_note(trainer: Any, before: int) -> str:
+    """How the trainer ran the timed steps."""
+    if not getattr(trainer, "cuda_graphs", False):
+        return "eager"
+    return "CUDA-graph replays" if _graph_work(trainer) > before else "no graph replays (packed batches)"
+
+
+# ------------------------------------------------------------------------------------------------
+# plan
+class _Deadline:
+    """The in-process sweep's time budget, counted from its first measurement."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.t0: Optional[float] = None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        if now - self.t0 > self.limit_s:
+            raise Skip(f"the sweep's time budget ({self.limit_s:.0f} s of in-process measurements) was spent "
+                       "before this point")
+
+
+NOTES = {
+    "vlseq": "ParallelTrainer, all devices, one process",
+    "vlseq_1gpu": "ParallelTrainer, first device",
+    "vlseq_mp": "ParallelTrainer(devices=[its device], process_group=WORLD), one process per device",
+    "ddp_nccl": "DDP, one process per GPU",
+    "ddp_gloo": "DDP over gloo, one process per CPU device",
+    "one_gpu_packed": "one device, k samples packed per step (list model); shared by both forms",
+    "one_gpu": "one device, k per-sample passes, one optimizer step; shared by both forms",
+}
+
+
+def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[List[Task], List[tuple]]:
+    """The sweep's in-process tasks and its jobs for the run's worker processes [(job, on_result)]."""
+    cuda = devices[0].type == "cuda"
+    n = len(devices)
+    plan = plan_for(cuda, budget.quick)
+    if not cuda:
+        budget = dataclasses.replace(budget, sweep_target_s=budget.sweep_target_s * CPU_TIME_SCALE,
+                                     sweep_warmup_s=budget.sweep_warmup_s * CPU_TIME_SCALE)
+    ddp_name = "ddp_nccl" if cuda else "ddp_gloo"
+    fused = cuda
+    opt_name = "Adam(lr=1e-3, fused=True)" if fused else "Adam(lr=1e-3)"
+    methods = ["vlseq", "vlseq_1gpu", "vlseq_mp", ddp_name, "one_gpu_packed", "one_gpu"]
+    res.set("train.sweep_info", {
+        "devices": [str(d) for d in devices], "models": [asdict(s) for s in plan.models], "ks": list(plan.ks),
+        "forms": list(FORMS), "pool_samples": plan.pool, "lengths": [plan.min_len, plan.max_len],
+        "ddp_method": ddp_name, "optimizer": {m: opt_name for m in methods},
+        "targets": {f"vlseq_{k}": thr for k, thr in TARGETS.items()},
+        "repeats": budget.sweep_repeats, "target_s": budget.sweep_target_s,
+        "deadline_s": budget.sweep_deadline_s, "mp_deadline_s": budget.sweep_mp_deadline_s})
+    if not cuda:
+        res.skip("train.sweep.ddp_nccl", "no GPU in this run: DDP runs over gloo instead (ddp_gloo)")
+    res.node("train.sweep")
+    clock = _Deadline(budget.sweep_deadline_s)
+    out: List[Task] = []
+    jobs: List[tuple] = []
+    n_jobs = len(plan.models) * len(plan.ks) * len(FORMS) * 2 if n >= 2 else 0
+    for spec in plan.models:
+        for k in plan.ks:
+            pool = functools.lru_cache(None)(functools.partial(
+                make_pool, plan.pool, seed=0, pin=cuda, min_len=plan.min_len, max_len=plan.max_len))
+            paths = {form: f"train.sweep.{point_name(form, spec, k)}" for form in FORMS}
+            for form, path in paths.items():
+                res.set(path, {"form": form, "rnn": spec.rnn, "hidden": spec.hidden, "layers": spec.layers, "k": k,
+                               "params": param_count(spec), "pool_samples": plan.pool, "num_devices": {},
+                               "notes": {}, "setup_s": {}})
+                for method, devs in (("vlseq", devices), ("vlseq_1gpu", devices[:1])):
+                    if method == "vlseq" and n < 2:
+                        res.skip(f"{path}.{method}", f"needs >= 2 devices, got {n} (vlseq_1gpu is the one-device run)")
+                        continue
+
+                    def run(method=method, devs=devs, form=form, path=path, pool=pool, k=k, spec=spec) -> None:
+                        clock.check()
+                        _measure(res, path, [path], method, lambda: _trainer_loop(spec, form, k, devs, pool(), fused),
+                                 pool(), plan, budget)
+                    out.append(Task("sweep", f"{path}.{method}", run))
+            for method, packed, home in (("one_gpu_packed", True, "list"), ("one_gpu", False, "one")):
+                def run(method=method, packed=packed, pool=pool, k=k, spec=spec, paths=paths) -> None:
+                    clock.check()
+                    _measure(res, paths["list" if packed else "one"], list(paths.values()), method,
+                             lambda: _one_gpu_loop(spec, packed, k, devices[0], pool(), fused), pool(), plan, budget)
+                out.append(Task("sweep", f"{paths[home]}.{method}", run))
+            for form, path in paths.items():
+                for method in ("vlseq_mp", ddp_name):
+                    key = f"{path}.{method}"
+                    if n < 2:
+                        res.skip(key, f"needs >= 2 devices (one process each), got {n}")
+                        continue
+                    job = {"key": key, "kind": "sweep", "method": "vlseq_mp" if method == "vlseq_mp" else "ddp",
+                           "form": form, "spec": asdict(spec), "k": k, "fused": fused,
+                           "pool": {"n": plan.pool, "seed": 0, "min_len": plan.min_len, "max_len": plan.max_len},
+                           "warm_steps": warm_steps(plan.pool, k * n), "deadline_s": budget.sweep_mp_deadline_s,
+                           "timing": {"repeats": budget.sweep_repeats, "target_s": budget.sweep_target_s,
+                                      "min_iters": 1},
+                           "timeout_s": budget.sweep_mp_deadline_s / max(n_jobs, 1) + 10}
+                    jobs.append((job, lambda r, path=path, method=method, k=k: _record(
+                        res, [path], method, [k * n / t for t in r["times"]], n, r.get("setup_s"), NOTES[method])))
+    return out, jobs
+
+
+def _measure(res: Results, path: str, record_in: List[str], method: str, build: Callable[[], Loop], pool: Pool,
+             plan: Plan, budget: Budget) -> None:
+    """Build, warm up (counted in setup_s), time; record under every path of record_in."""
+    t0 = time.perf_counter()
+    loop = build()
+    sync = synchronizer(loop.devices)
+    _warm_up(loop, [x.shape[0] for x in pool[0]], warm_steps(plan.pool, loop.samples_per_step), budget.sweep_warmup_s)
+    sync()
+    setup_s = time.perf_counter() - t0
+    trainer = loop.extra.get("trainer")
+    before = _graph_work(trainer) if trainer is not None else 0
+    try:
+        ts = time_loop(loop.step, sync, repeats=budget.sweep_repeats, warmup=0, target_s=budget.sweep_target_s,
+                       min_iters=1)
+    finally:
+        _close(loop)
+    note = NOTES[method]
+    if trainer is not None:
+        note += f"; {_path_note(trainer, before)}"
+        if getattr(trainer, "cuda_graphs", False):
+            res.node(path + ".graph_stats")[method] = trainer.graph_stats()
+        if isinstance(getattr(trainer, "capture_seconds", None), (int, float)):
+            res.node(path + ".capture_s")[method] = trainer.capture_seconds  # (part of setup_s)
+    _record(res, record_in, method, [loop.samples_per_step / t for t in ts], len(loop.devices), setup_s, note)
+
+
+def _close(loop: Loop) -> None:
+    """Stop the trainer's device threads, if it has any (its graphs go with it)."""
+    close = getattr(loop.extra.get("trainer"), "close", None)
+    if callable(close):
+        close()
+
+
+def _record(res: Results, paths: List[str], method: str, sps: List[float], ndev: int, setup_s: Optional[float],
+            note: str) -> None:
+    for path in paths:
+        res.record(path + ".samples_per_s", method, sps)
+        res.node(path + ".num_devices")[method] = ndev
+        res.node(path + ".notes")[method] = note
+        if setup_s is not None:
+            res.node(path + ".setup_s")[method] = setup_s
+
+
+# ------------------------------------------------------------------------------------------------
+# in the worker processes (one per device; baselines.ddp_worker runs the jobs in order)
+_MP_T0: Optional[float] = None  # when this process started its first sweep job
+
+
+def mp_job(job: dict, rank: int, world: int, dev: torch.device, sync: Callable[[], None],
+           agree: Callable[[int], int]) -> dict:
+    """One sweep point of ddp ("ddp") or our trainer ("vlseq_mp") in this rank's process; every rank
+    runs it together on its share of the pool (pool[rank::world])."""
+    global _MP_T0
+    import torch.distributed as dist
+    if _MP_T0 is None:
+        _MP_T0 = time.monotonic()
+    if agree(int(time.monotonic() - _MP_T0 > job["deadline_s"])):  # every rank skips, or none
+        return {"skip": f"the sweep's time budget in the worker processes ({job['deadline_s']:.0f} s) was spent "
+                        "before this point"}
+    spec, form, k, fused = ModelSpec(**job["spec"]), job["form"], job["k"], job["fused"]
+    xs, ys = make_pool(pin=dev.type == "cuda", **job["pool"])
+    shard = (xs[rank::world], ys[rank::world])
+    t0 = time.perf_counter()
+    if job["method"] == "vlseq_mp":
+        loop = _trainer_loop(spec, form, k, [dev], shard, fused, process_group=dist.group.WORLD)
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = make_model(spec, form).to(dev)
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        opt, feed = _adam(model, fused), Feeder(shard)
+        step = _packed_step(ddp, opt, feed, k, dev) if form == "list" else \
+            _per_sample_step(ddp, opt, feed, k, dev, no_sync=ddp.no_sync)
+        loop = Loop(step, k, [dev])
+    try:
+        _warm_up(loop, [x.shape[0] for x in shard[0]], job["warm_steps"], None)
+        sync()
+        setup_s = time.perf_counter() - t0
+        return {"times": time_loop(loop.step, sync, warmup=0, agree=agree, **job["timing"]), "setup_s": setup_s}
+    finally:
+        _close(loop)
+
+
+# ------------------------------------------------------------------------------------------------
+# after the run: the best one-GPU loop, ratios, target marks
+def finalize(res: Results) -> None:
+    info = res.get("train.sweep_info") or {}
+    ddp = info.get("ddp_method", "ddp_nccl")
+    for p in (res.get("train.sweep") or {}).values():
+        sps = p.get("samples_per_s")
+        if not isinstance(sps, dict):
+            continue
+        loops = {m: sps[m] for m in ("one_gpu_packed", "one_gpu") if sps.get(m)}
+        if loops:
+            best = max(loops, key=loops.get)
+            sps["one_gpu_best"] = sps[best]
+            p["samples_per_s_spread"]["one_gpu_best"] = dict(p["samples_per_s_spread"][best])
+            if best in p.get("setup_s", {}):
+                p["setup_s"]["one_gpu_best"] = p["setup_s"][best]
+            p["num_devices"]["one_gpu_best"] = 1
+            p["notes"]["one_gpu_best"] = f"= {best}, the faster of one_gpu_packed and one_gpu"
+            p["one_gpu_best_method"] = best
+        v = sps.get("vlseq")
+        ratio: Dict[str, float] = {}
+        if v:
+            for key, base in (("vs_ddp", ddp), ("vs_1gpu", "vlseq_1gpu"), ("vs_one_gpu_best", "one_gpu_best"),
+                              ("vs_mp", "vlseq_mp")):
+                if sps.get(base):
+                    ratio[key] = v / sps[base]
+            if sps.get(ddp) and sps.get("one_gpu_best"):
+                ratio["vs_best"] = v / max(sps[ddp], sps["one_gpu_best"])
+        p["ratio"] = ratio
+        checks = {key: {"value": ratio.get(key), "op": ">=", "threshold": thr,
+                        "ok": ratio[key] >= thr if key in ratio else None} for key, thr in TARGETS.items()}
+        status = "incomplete" if any(c["ok"] is None for c in checks.values()) else \
+            "met" if all(c["ok"] for c in checks.values()) else "missed"
+        p["target"] = {"status": status, "checks": checks}
+
+
+def target_summary(data: Dict[str, Any]) -> Dict[str, Any]:
+    """The W3 entry of `targets`: met when every point met its three ratios."""
+    meta = data.get("meta", {})
+    entry: Dict[str, Any] = {"workload": "sweep: LSTM h64/256/1024 x 1/2 layers, biGRU 256; k 1/8/32; list and "
+                                         "one-sample models",
+                             "target": "every point: vlseq >= 1.3x DDP, >= 1.8x vlseq_1gpu, >= 1.0x best one-GPU loop",
+                             "status": "not run", "ratio": None}
+    points = {k: p for k, p in (data.get("train", {}).get("sweep") or {}).items() if isinstance(p, dict) and
+              "target" in p}
+    if meta.get("device_type") != "cuda" or meta.get("num_devices", 0) < 2:
+        entry["detail"] = (f"needs >= 2 CUDA GPUs (this run: {meta.get('num_devices')} x {meta.get('device_type')})"
+                           + (f"; {sum(p['target']['status'] == 'met' for p in points.values())} of {len(points)} "
+                              "points met on these devices" if points else ""))
+        return entry
+    if not points:
+        entry["detail"] = "no sweep results (see errors/skipped)"
+        return entry
+    by = {s: [k for k, p in points.items() if p["target"]["status"] == s] for s in ("met", "missed", "incomplete")}
+    worst = min(((p["ratio"]["vs_best"], k) for k, p in points.items() if "vs_best" in p.get("ratio", {})),
+                default=None)
+    entry["status"] = "missed" if by["missed"] else "incomplete" if by["incomplete"] else "met"
+    entry["ratio"] = worst[0] if worst else None
+    detail = f"{len(by['met'])} of {len(points)} points met"
+    if by["incomplete"]:
+        detail += f", {len(by['incomplete'])} incomplete"
+    if worst:
+        detail += f"; lowest vlseq / max(DDP, best 1-GPU) {worst[0]:.2f} ({worst[1]})"
+    if by["missed"]:
+        detail += "; missed: " + ", ".join(by["missed"][:6]) + (" ..." if len(by["missed"]) > 6 else "")
+    entry["detail"] = detail
+    entry["points"] = {s: len(v) for s, v in by.items()}
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------
+# outputs
+def _grid(data: Dict[str, Any]) -> Tuple[List[Tuple[str, str]], List[int], Dict[Tuple[str, str, int], dict]]:
+    """Rows (model name, form) and columns (k) of the measured points, in plan order."""
+    rows: List[Tuple[str, str]] = []
+    ks: List[int] = []
+    cells: Dict[Tuple[str, str, int], dict] = {}
+    for p in (data.get("train", {}).get("sweep") or {}).values():
+        if not isinstance(p, dict) or "form" not in p:
+            continue
+        spec = ModelSpec(p["rnn"], p["hidden"], p["layers"])
+        row = (spec.label, p["form"])
+        if row not in rows:
+            rows.append(row)
+        if p["k"] not in ks:
+            ks.append(p["k"])
+        cells[(row[0], row[1], p["k"])] = p
+    return rows, sorted(ks), cells
+
+
+def _f(v: Optional[float], digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.{digits}f}"
+
+
+MARK = {"met": "met", "missed": "**missed**", "incomplete": "incomplete"}
+
+
+def markdown_lines(data: Dict[str, Any]) -> List[str]:
+    rows, ks, cells = _grid(data)
+    if not any(c.get("samples_per_s") for c in cells.values()):
+        return []
+    info = data["train"].get("sweep_info", {})
+    ddp = info.get("ddp_method", "ddp_nccl")
+    L = ["", f"## Training sweep (target W3; {len(info.get('devices', []))} x {data['meta'].get('device_type')})", "",
+         f"vlseq / max({ddp}, one_gpu_best) per model and form (rows) and samples per device k (columns); "
+         f"each point's mark is against vlseq >= 1.3x {ddp}, >= 1.8x vlseq_1gpu and >= 1.0x one_gpu_best. "
+         f"Optimizer: {info.get('optimizer', {}).get('vlseq', '?')} for every method; pool of "
+         f"{info.get('pool_samples')} samples, lengths {info.get('lengths')}.", ""]
+
+    def cell(row: Tuple[str, str], k: int) -> str:
+        p = cells.get((row[0], row[1], k))
+        if not p:
+            return "-"
+        r = p.get("ratio", {}).get("vs_best")
+        return f"{_f(r)} {MARK.get(p.get('target', {}).get('status'), '')}".strip() if r is not None else \
+            MARK.get(p.get("target", {}).get("status"), "-")
+
+    L += ["| model | form | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|---|" + "---|" * len(ks)]
+    L += [f"| {r[0]} | {r[1]} | " + " | ".join(cell(r, k) for k in ks) + " |" for r in rows]
+    L += ["", "Per point, samples/s (median of the repeats); setup = build + warm-up and graph captures before "
+              "timing.", ""]
+    L += ["| point | vlseq | vlseq_1gpu | vlseq_mp | " + ddp + " | one_gpu_best | × " + ddp + " | × 1gpu | "
+          "× best 1-GPU | × max | target | vlseq setup s |", "|" + "---|" * 12]
+    for name, p in (data["train"].get("sweep") or {}).items():
+        if not isinstance(p, dict) or not p.get("samples_per_s"):
+            continue
+        sps, r = p["samples_per_s"], p.get("ratio", {})
+        best = sps.get("one_gpu_best")
+        which = {"one_gpu_packed": "packed", "one_gpu": "per-sample"}.get(p.get("one_gpu_best_method", ""), "?")
+        best_s = f"{_f(best)} ({which})" if best else "-"
+        L.append(f"| {name} | {_f(sps.get('vlseq'))} | {_f(sps.get('vlseq_1gpu'))} | {_f(sps.get('vlseq_mp'))} | "
+                 f"{_f(sps.get(ddp))} | {best_s} | {_f(r.get('vs_ddp'))} | {_f(r.get('vs_1gpu'))} | "
+                 f"{_f(r.get('vs_one_gpu_best'))} | {_f(r.get('vs_best'))} | "
+                 f"{MARK.get(p.get('target', {}).get('status'), '-')} | {_f(p.get('setup_s', {}).get('vlseq'))} |")
+    return L
+
+
+def plot_heatmap(data: Dict[str, Any], out_dir: str) -> Optional[str]:
+    """PLOT_FILE: rows model + form, columns k, colour and number vlseq / max(DDP, best one-GPU
+    loop) (green above 1), each cell marked met / missed. None when no point has the ratio. Needs
+    matplotlib (ImportError otherwise)."""
+    import os
+
+    rows, ks, cells = _grid(data)
+    vals = {key: p["ratio"]["vs_best"] for key, p in cells.items() if "vs_best" in p.get("ratio", {})}
+    if not vals:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    grid = np.full((len(rows), len(ks)), np.nan)
+    for i, r in enumerate(rows):
+        for j, k in enumerate(ks):
+            grid[i, j] = vals.get((r[0], r[1], k), np.nan)
+    lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.9), vmax=max(hi, 1.1))
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")
+    fig, ax = plt.subplots(figsize=(2.0 + 1.3 * len(ks), 1.2 + 0.45 * len(rows)))
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+    for i, r in enumerate(rows):
+        for j, k in enumerate(ks):
+            p = cells.get((r[0], r[1], k), {})
+            status = p.get("target", {}).get("status", "")
+            text = "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
+            ax.text(j, i, f"{text}\n{status}", ha="center", va="center", fontsize=7,
+                    fontweight="bold" if status == "missed" else "normal")
+    ax.set_xticks(range(len(ks)))
+    ax.set_xticklabels([f"k={k}" for k in ks])
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r[0]} ({r[1]})" for r in rows], fontsize=8)
+    info = data["train"].get("sweep_info", {})
+    ax.set_title(f"vlseq / max({info.get('ddp_method', 'DDP')}, best 1-device loop)\n"
+                 f"{len(info.get('devices', []))} x {data['meta'].get('device_type')}", fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, PLOT_FILE), dpi=110)
+    plt.close(fig)
+    return PLOT_FILE
