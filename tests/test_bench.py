@@ -131,6 +131,16 @@ def test_ddp_worker_gloo_survives_a_failing_job():
     assert res["train"]["setup_s"] > 0
 
 
+def test_suite_list():
+    import argparse
+
+    from vlseq_ext.bench.__main__ import suite_list
+    assert suite_list("all") == "all" and suite_list("merge, all") == "all"
+    assert suite_list("sweep,merge,sweep") == "merge,sweep"  # run order, once each
+    with pytest.raises(argparse.ArgumentTypeError, match="bogus"):
+        suite_list("merge,bogus")
+
+
 def test_bench_devices_use_the_one_device_parser():
     from vlseq_ext import devices
     from vlseq_ext.bench import __main__ as bench_main

@@ -1,8 +1,8 @@
 """`python -m vlseq_ext.bench` (console script `vlseq-bench`): our merge, flatten and training
 against the seed loop, PyTorch's built-ins, NCCL and DDP, on whatever devices the machine has.
 
-    vlseq-bench [--quick] [--suite merge|flatten|diag|train|sweep|all] [--devices all | 2 | cuda:0,cuda:1 | cpu:2]
-                [--out DIR] [--repeats N]
+    vlseq-bench [--quick] [--suite all | SUITE[,SUITE...]] [--devices all | 2 | cuda:0,cuda:1 | cpu:2]
+                [--out DIR] [--repeats N]        SUITE: merge, flatten, diag, train, sweep
 
 Suites: merge (M1, M2), flatten (F1), diag (the measurements behind the design choices: kernel vs
 host time, all-reduce crossover, optimizer-step options, host costs, trainer phases; module
@@ -24,9 +24,11 @@ every method, so a run killed part way keeps what it measured. Order: merge, fla
 suites, seed-model training, the worker processes (every suite's DDP and one-process-per-device
 jobs, in one spawn), the large-model workloads, then the sweep's in-process measurements.
 
-Duration on 2 x H200 (estimated from the measured per-method costs, see vlseq_ext.bench.sweep):
-`--suite sweep` about 6 minutes, `--suite sweep --quick` under 3; the other suites about 4
-minutes, 2 with --quick.
+Duration on 2 x H200: merge, flatten and train about 4 minutes (measured: 242 s), diag well under a
+minute, the sweep about 6 (estimated from the measured per-method costs, see vlseq_ext.bench.sweep):
+about 10 minutes in all. `--quick`: about 2 minutes without the sweep, under 3 for `--suite sweep`.
+Where one command may not run that long, split the run: `--suite merge,flatten,diag,train`, then
+`--suite sweep`, each with its own --out.
 
 Timing: synchronized loops (sync every device, run the op many times with no sync inside, sync),
 warm-up first; every figure is the median of the repeats, with {median, min, max, n} beside it.

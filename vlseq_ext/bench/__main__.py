@@ -26,6 +26,19 @@ TASK_STALL_S = 180  # print every thread's stack when one task runs longer than 
 SUITES = ("merge", "flatten", "diag", "train", "sweep")
 
 
+def suite_list(spec: str) -> str:
+    """--suite: "all", or suites separated by commas ("merge,flatten,diag,train"); normalised."""
+    parts = [p.strip().lower() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("no suite given")
+    bad = [p for p in parts if p not in SUITES + ("all",)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown suite(s) {', '.join(bad)} (choose from {', '.join(SUITES)}, all)")
+    if "all" in parts:
+        return "all"
+    return ",".join(s for s in SUITES if s in parts)  # in run order, once each
+
+
 def bench_devices(spec: Optional[str]) -> List[torch.device]:
     """--devices, parsed by vlseq_ext.devices.parse_devices (the one device parser). Without the
     option: every visible GPU, and on a machine without GPUs two CPU "devices" ("cpu:2"), so the
@@ -78,19 +91,23 @@ def _run_ddp_jobs(ddp_jobs: List[tuple], devices: List[torch.device], res: Resul
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="vlseq-bench",
-        description="Benchmarks vlseq_ext's gradient merge, fused flatten and trainer against the seed loop, PyTorch's "
-                    "built-ins, NCCL and DDP on the devices it finds. Prints the tables; writes "
-                    "bench-results.json, summary.md and plots to --out. Without GPUs it runs the CPU versions "
-                    "and lists what it skipped.")
+        description="Benchmarks vlseq_ext's gradient merge, fused flatten and trainer (also over a sweep of model "
+                    "sizes, samples per GPU and model forms) against the seed loop, PyTorch's built-ins, NCCL and "
+                    "DDP on the devices it finds. Prints the tables; writes bench-results.json, summary.md and plots "
+                    "to --out. Without GPUs it runs the CPU versions and lists what it skipped. On 2 GPUs the full "
+                    "run takes about 10 minutes (the sweep about 6): split it with --suite where one command may "
+                    "not run that long.")
     ap.add_argument("--quick", action="store_true",
                     help="a short run: fewer repeats, the seed model only in the train suite, a subset of the "
                          "sweep (under 3 minutes for --suite sweep on 2 GPUs)")
-    ap.add_argument("--suite", choices=SUITES + ("all",), default="all",
-                    help="merge: gradient merge and all-reduce (M1, M2); flatten: ops.flatten / unflatten_ on the "
+    ap.add_argument("--suite", type=suite_list, default="all", metavar="SUITE[,SUITE...]",
+                    help="one or more of (comma-separated): "
+                         "merge: gradient merge and all-reduce (M1, M2); flatten: ops.flatten / unflatten_ on the "
                          "first device (F1); diag: the measurements behind the design choices (kernel vs host "
                          "time, algorithm crossover, optimizer-step options, trainer phases); train: samples/s of "
                          "the seed and a large model (W1, W2); sweep: samples/s over model sizes, samples per GPU "
-                         "and model forms against DDP and the best one-GPU loop (W3); default all")
+                         "and model forms against DDP and the best one-GPU loop (W3); all (the default): every "
+                         "suite")
     ap.add_argument("--devices", default=None,
                     help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
                          'GPUs), "cpu:2" (2 CPU devices); default: all GPUs, else cpu:2')
@@ -121,10 +138,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         say("No GPU in use: running the CPU versions (merges over CPU 'devices', the reference all-reduce, "
             "ParallelTrainer on CPU devices, gloo DDP); GPU-only methods are skipped and listed at the end.")
 
+    selected = SUITES if args.suite == "all" else args.suite.split(",")
     tasks, ddp_jobs = [], []
     mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep}
     for suite in SUITES:
-        if args.suite in (suite, "all"):
+        if suite in selected:
             t, j = mods[suite].tasks(devices, budget, res)
             tasks += t
             ddp_jobs += j
