@@ -199,20 +199,26 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def gpus() -> int:
+    return min(torch.cuda.device_count(), 2)
+
+
 @requires_cuda
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("k,n", [(1, 2), (3, 6), (3, 5), (8, 16), (8, 13)])
+@pytest.mark.parametrize("k,short", [(1, 0), (3, 0), (3, 1), (8, 0), (8, 3)])
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_gpu_paths_match_float64(model_name, k, n, reduction, no_tf32):
+def test_gpu_paths_match_float64(model_name, k, short, reduction, no_tf32):
     """List models run as padded graphs, the one-sample model as per-sample graphs on min(k, 4)
-    lanes; both threaded over two GPUs. Twice: the second pass replays."""
+    lanes; both threaded over two GPUs (where there are two), full steps and steps `short` samples
+    short. Twice: the second pass replays."""
+    n = k * gpus() - short
     gen = torch.Generator().manual_seed(k * 1000 + n)
     torch.manual_seed(gen.initial_seed())
     model = MODELS[model_name]()
     xs, ys = batch(n, gen)
     ref = reference(model, xs, ys, reduction)
     model.cuda(0)
-    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="all",
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                               samples_per_device=k, reduction=reduction)
     for _ in range(2):
         trainer.compute_gradients(xs, ys)
@@ -226,8 +232,8 @@ def test_gpu_paths_match_float64(model_name, k, n, reduction, no_tf32):
 def test_gpu_stress_1000_steps_same_bits(model_name, no_tf32):
     gen = torch.Generator().manual_seed(3)
     model = MODELS[model_name]().cuda(0)
-    xs, ys = batch(16, gen)
-    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="all",
+    xs, ys = batch(8 * gpus(), gen)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                               samples_per_device=8, reduction="mean")
     ref = reference(model, xs, ys, "mean")
     trainer.compute_gradients(xs, ys)
@@ -248,8 +254,8 @@ def test_gpu_deterministic_runs_identical_bits(model_name):
         gen = torch.Generator().manual_seed(4)
         model = MODELS[model_name]().cuda(0)
         trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), nn.MSELoss(),
-                                  devices="all", samples_per_device=3)
-        losses = [trainer.step(*batch(6, gen)) for _ in range(6)]
+                                  devices=gpus(), samples_per_device=3)
+        losses = [trainer.step(*batch(3 * gpus(), gen)) for _ in range(6)]
         return [float(v) for v in losses], [p.detach().cpu().clone() for p in model.parameters()]
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
@@ -270,9 +276,9 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
     read."""
     gen = torch.Generator().manual_seed(11)
     model = HostReadModel().cuda(0)
-    xs, ys = batch(4, gen)
+    xs, ys = batch(2 * gpus(), gen)
     ref = reference(model, xs, ys, "sum")
-    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="all",
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                               samples_per_device=2)
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
         trainer.compute_gradients(xs, ys)
@@ -284,24 +290,24 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
     for graphs in (True, False):
         for k in (1, 2):
             m = DropoutModel().cuda(0)
-            t = ParallelTrainer(m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.MSELoss(), devices="all",
+            t = ParallelTrainer(m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.MSELoss(), devices=gpus(),
                                 samples_per_device=k, cuda_graphs=graphs)
             for _ in range(3):
-                loss = t.step(*batch(2 * k, gen))
+                loss = t.step(*batch(gpus() * k, gen))
             assert torch.isfinite(loss)
 
     # fresh masks per replay: the same sample, replayed, gives different losses
     m = DropoutModel().cuda(0)
-    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.MSELoss(), devices="all")
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.MSELoss(), devices=gpus())
     x, y = torch.randn(20, 6, generator=gen), torch.randn(1, generator=gen)
-    losses = {float(t.compute_gradients([x, x], [y, y])) for _ in range(6)}
+    losses = {float(t.compute_gradients([x] * gpus(), [y] * gpus())) for _ in range(6)}
     assert sum(s["replays"] for s in t.graph_stats()) > 0
     assert len(losses) > 3, f"dropout masks repeat across replays: {losses}"
 
     m = DropoutHostReadModel().cuda(0)
-    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.MSELoss(), devices="all")
+    t = ParallelTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.MSELoss(), devices=gpus())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(3):
-            assert torch.isfinite(t.step(*batch(2, gen)))
+            assert torch.isfinite(t.step(*batch(gpus(), gen)))
     torch.nn.functional.dropout(torch.ones(10, device="cuda:0"), 0.5)
