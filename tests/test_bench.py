@@ -388,7 +388,11 @@ def test_sweep_and_diag_gpu_plans():
         assert sum(k.endswith(".one_gpu_packed") for k in keys) == sum(k.endswith(".one_gpu") for k in keys) \
             == n_points // 2  # once per model and k
         assert len(jobs) == 2 * n_points and all(j["fused"] and j["kind"] == "sweep" for j, _ in jobs)
-        assert set(res.get("train.sweep_info.optimizer").values()) == {"Adam(lr=1e-3, fused=True)"}
+        opt = res.get("train.sweep_info.optimizer")
+        assert {m: opt[m] for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl")} == dict.fromkeys(
+            ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl"), "Adam(lr=1e-3, fused=True)")
+        assert opt["one_gpu"] == opt["one_gpu_packed"] == ("Adam(lr=1e-3, fused=True)" if sweep.ONE_GPU_LOOPS_FUSED
+                                                            else "Adam(lr=1e-3)")
         budget = Budget.make(quick)
         assert sum(j["timeout_s"] for j, _ in jobs) == pytest.approx(budget.sweep_mp_deadline_s + 10 * len(jobs))
     res = Results({})

@@ -22,7 +22,9 @@ Methods, all in one run (samples/s counts every sample of a step, all devices to
   one_gpu_best    the faster of one_gpu_packed and one_gpu. The two one-GPU loops compute the same
                   thing for both forms, so they are measured once per model and k (in the list
                   point for one_gpu_packed, the one point for one_gpu) and recorded in both.
-  Optimizer: Adam(lr=1e-3), fused=True on GPUs for every method (plain Adam on CPU);
+  Optimizer: Adam(lr=1e-3) everywhere; on GPUs fused=True for our trainer and DDP (vlseq, vlseq_1gpu,
+  vlseq_mp, ddp_nccl), and plain Adam for the one-GPU loops, as users write them (the seed's;
+  ONE_GPU_LOOPS_FUSED switches them to fused); plain Adam for every method on CPU;
   `train.sweep_info.optimizer` says which.
 
 Data: one pool of POOL samples per point (lengths uniform in 50-500, as the train suite's), cycled;
@@ -73,6 +75,7 @@ CPU_POOL = 8
 CPU_LENGTHS = (10, 40)
 CPU_TIME_SCALE = 0.2  # CPU runs are smoke runs of tiny models: a fifth of the timed seconds per repeat
 TARGETS = {"vs_ddp": 1.3, "vs_1gpu": 1.8, "vs_one_gpu_best": 1.0}  # vlseq / method >= threshold
+ONE_GPU_LOOPS_FUSED = False  # the plain one-GPU loops' Adam (ours and DDP's are fused on GPUs)
 PLOT_FILE = "sweep_vs_best.png"
 
 
@@ -281,13 +284,15 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
         budget = dataclasses.replace(budget, sweep_target_s=budget.sweep_target_s * CPU_TIME_SCALE,
                                      sweep_warmup_s=budget.sweep_warmup_s * CPU_TIME_SCALE)
     ddp_name = "ddp_nccl" if cuda else "ddp_gloo"
-    fused = cuda
-    opt_name = "Adam(lr=1e-3, fused=True)" if fused else "Adam(lr=1e-3)"
-    methods = ["vlseq", "vlseq_1gpu", "vlseq_mp", ddp_name, "one_gpu_packed", "one_gpu"]
+    fused = cuda  # our trainer's and DDP's optimizer
+    loops_fused = cuda and ONE_GPU_LOOPS_FUSED
+    opt_names = {False: "Adam(lr=1e-3)", True: "Adam(lr=1e-3, fused=True)"}
+    optimizer = {m: opt_names[fused] for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", ddp_name)}
+    optimizer.update({m: opt_names[loops_fused] for m in ("one_gpu_packed", "one_gpu", "one_gpu_best")})
     res.set("train.sweep_info", {
         "devices": [str(d) for d in devices], "models": [asdict(s) for s in plan.models], "ks": list(plan.ks),
         "forms": list(FORMS), "pool_samples": plan.pool, "lengths": [plan.min_len, plan.max_len],
-        "ddp_method": ddp_name, "optimizer": {m: opt_name for m in methods},
+        "ddp_method": ddp_name, "optimizer": optimizer,
         "targets": {f"vlseq_{k}": thr for k, thr in TARGETS.items()},
         "repeats": budget.sweep_repeats, "target_s": budget.sweep_target_s,
         "deadline_s": budget.sweep_deadline_s, "mp_deadline_s": budget.sweep_mp_deadline_s})
@@ -298,10 +303,11 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     out: List[Task] = []
     jobs: List[tuple] = []
     n_jobs = len(plan.models) * len(plan.ks) * len(FORMS) * 2 if n >= 2 else 0
+    # One pool for every point (built on first use): the same samples for every model, k and method.
+    pool = functools.lru_cache(None)(functools.partial(
+        make_pool, plan.pool, seed=0, pin=cuda, min_len=plan.min_len, max_len=plan.max_len))
     for spec in plan.models:
         for k in plan.ks:
-            pool = functools.lru_cache(None)(functools.partial(
-                make_pool, plan.pool, seed=0, pin=cuda, min_len=plan.min_len, max_len=plan.max_len))
             paths = {form: f"train.sweep.{point_name(form, spec, k)}" for form in FORMS}
             for form, path in paths.items():
                 res.set(path, {"form": form, "rnn": spec.rnn, "hidden": spec.hidden, "layers": spec.layers, "k": k,
@@ -321,7 +327,8 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
                 def run(method=method, packed=packed, pool=pool, k=k, spec=spec, paths=paths) -> None:
                     clock.check()
                     _measure(res, paths["list" if packed else "one"], list(paths.values()), method,
-                             lambda: _one_gpu_loop(spec, packed, k, devices[0], pool(), fused), pool(), plan, budget)
+                             lambda: _one_gpu_loop(spec, packed, k, devices[0], pool(), loops_fused), pool(), plan,
+                             budget)
                 out.append(Task("sweep", f"{paths[home]}.{method}", run))
             for form, path in paths.items():
                 for method in ("vlseq_mp", ddp_name):
@@ -522,6 +529,14 @@ def _f(v: Optional[float], digits: int = 2) -> str:
 MARK = {"met": "met", "missed": "**missed**", "incomplete": "incomplete"}
 
 
+def _optimizers(by_method: Dict[str, str]) -> str:
+    """{method: optimizer} -> "Adam(lr=1e-3, fused=True) for vlseq, ...; Adam(lr=1e-3) for one_gpu, ..."."""
+    groups: Dict[str, List[str]] = {}
+    for m, o in by_method.items():
+        groups.setdefault(o, []).append(m)
+    return "; ".join(f"{o} for {', '.join(ms)}" for o, ms in groups.items()) or "?"
+
+
 def markdown_lines(data: Dict[str, Any]) -> List[str]:
     rows, ks, cells = _grid(data)
     if not any(c.get("samples_per_s") for c in cells.values()):
@@ -531,8 +546,8 @@ def markdown_lines(data: Dict[str, Any]) -> List[str]:
     L = ["", f"## Training sweep (target W3; {len(info.get('devices', []))} x {data['meta'].get('device_type')})", "",
          f"vlseq / max({ddp}, one_gpu_best) per model and form (rows) and samples per device k (columns); "
          f"each point's mark is against vlseq >= 1.3x {ddp}, >= 1.8x vlseq_1gpu and >= 1.0x one_gpu_best. "
-         f"Optimizer: {info.get('optimizer', {}).get('vlseq', '?')} for every method; pool of "
-         f"{info.get('pool_samples')} samples, lengths {info.get('lengths')}.", ""]
+         f"Optimizers: {_optimizers(info.get('optimizer', {}))}. Pool of {info.get('pool_samples')} samples, "
+         f"lengths {info.get('lengths')}.", ""]
 
     def cell(row: Tuple[str, str], k: int) -> str:
         p = cells.get((row[0], row[1], k))
