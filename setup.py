@@ -100,9 +100,12 @@ def _extension():
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
     cxx = ["-O3"]  # torch picks the C++ standard it needs (C++20 from torch 2.13)
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    # Export PyInit__C only (csrc/exports.map says why): a GPU-machine build that exported a
+    # statically linked copy of libstdc++ crashed when formatting numbers (csrc/validate.cpp).
+    link = [f"-Wl,--version-script={os.path.join(ROOT, 'csrc', 'exports.map')}"]
     if not use_cuda:
         return CppExtension("vlseq_ext._C", sources, include_dirs=include_dirs,
-                            extra_compile_args={"cxx": cxx}, py_limited_api=True)
+                            extra_compile_args={"cxx": cxx}, extra_link_args=link, py_limited_api=True)
     sources += rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
@@ -110,6 +113,7 @@ def _extension():
         sources,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=link,
         py_limited_api=True,
     )
 
