@@ -20,7 +20,7 @@ TORCH_LIBRARY(vlseq_ext, m) {
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()");
   // One flat buffer per device (distinct devices, same numel/dtype). Afterwards every buffer
   // holds the sum (or mean) over buffers 0..N-1 in that fixed order, bit-identical everywhere.
-  // algo: auto | root | one_shot | two_shot | copy_engine (see csrc/cuda/p2p_allreduce.cu).
+  // algo: auto | root | one_shot | two_shot | copy_engine (see csrc/cuda/all_reduce.cu).
   m.def("all_reduce_(Tensor(a!)[] buffers, str op, str algo=\"auto\") -> ()");
   // dsts[i] = src for every destination (on other devices), over the peer path.
   m.def("broadcast_(Tensor src, Tensor(a!)[] dsts) -> ()");
@@ -30,7 +30,8 @@ TORCH_LIBRARY(vlseq_ext, m) {
   // algo: auto | root | two_shot | copy_engine.
   m.def("all_reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale, str algo=\"auto\") -> ()");
   // Same layout; the result goes to device list 0 only (one kernel on that device), and with
-  // zero_others every other list is zeroed. The trainer's merge before the master's step.
+  // zero_others every other list is zeroed. The trainer's merge before the master's step. Unlike
+  // the all-reduces, several lists may be on one device (no tensor may overlap another).
   m.def("reduce_tensors_(Tensor(a!)[] tensors, int num_devices, float scale, bool zero_others) -> ()");
   // Multi-tensor broadcast: dsts is device-major, len(dsts) = k * len(srcs);
   // dsts[d*P + p] = srcs[p]. One kernel on the source device stores into every destination.

@@ -1,9 +1,14 @@
 #include "vlseq/validate.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
+#include <optional>
+#include <ostream>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "vlseq/dtypes.h"
 
@@ -11,17 +16,92 @@ namespace vlseq {
 
 namespace {
 
-void check_dtype(const char* op, const std::string& what, const at::Tensor& t) {
+// A list entry's name, e.g. tensors[3]. TORCH_CHECK streams message arguments only when the check
+// fails, so the hot path builds no strings for names.
+struct Item {
+  const char* arg;
+  size_t i;
+};
+
+std::ostream& operator<<(std::ostream& os, const Item& it) { return os << it.arg << "[" << std::to_string(it.i) << "]"; }
+
+Item item(const char* arg, size_t i) { return {arg, i}; }
+
+// `what`: an argument name or an Item.
+template <typename What>
+void check_dtype(const char* op, const What& what, const at::Tensor& t) {
   TORCH_CHECK(is_supported(t.scalar_type()), op, ": ", what, " has unsupported dtype ",
               c10::toString(t.scalar_type()), " (supported: float32, float16, bfloat16, float64)");
 }
 
-std::string item(const char* arg, size_t i) { return std::string(arg) + "[" + std::to_string(i) + "]"; }
-
-// Numbers go into messages as strings. Streaming an integer into a TORCH_CHECK message
-// segfaulted inside std::ostream on our GPU machines (torch 2.11, g++ 13; backtrace in
-// benchmarks/results/cuda-gdb-bad-input-crash.txt), so nothing here streams one.
+// Numbers go into messages as strings. The crash behind this rule
+// (benchmarks/results/cuda-gdb-bad-input-crash.txt) came from the build, not from TORCH_CHECK: that
+// extension held its own, exported copy of libstdc++'s stream code (statically linked; why is not
+// known), the dynamic linker bound part of it (the locale facet ids) to the process's
+// libstdc++.so.6, and formatting a number fetched the wrong facet (strings do not use it).
+// setup.py now lets the extension export nothing but PyInit__C, and tests/test_flatten.py checks
+// the built library. to_string stays: it costs nothing.
 std::string num(int64_t v) { return std::to_string(v); }
+
+// The bytes a tensor's elements span, [begin, end), first to last element (strided views
+// included), on one device. Empty tensors span nothing and are left out.
+struct Span {
+  uintptr_t begin;
+  uintptr_t end;
+  int32_t device;  // CUDA index; -1 for CPU
+  uint32_t index;  // the caller's numbering
+};
+
+// The first `numel` elements of contiguous `t`.
+void add_prefix(std::vector<Span>& spans, const at::Tensor& t, size_t index, int64_t numel) {
+  if (numel == 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  spans.push_back({begin, begin + static_cast<uintptr_t>(numel) * t.element_size(), t.is_cpu() ? -1 : t.get_device(),
+                   static_cast<uint32_t>(index)});
+}
+
+// All of `t`: first to last element, strided or not.
+void add_span(std::vector<Span>& spans, const at::Tensor& t, size_t index) {
+  if (t.numel() == 0) return;
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  spans.push_back({begin, begin + static_cast<uintptr_t>(extent) * t.element_size(), t.is_cpu() ? -1 : t.get_device(),
+                   static_cast<uint32_t>(index)});
+}
+
+// The first pair (i, j), i < j by the callers' numbering, of spans that share memory on one device
+// and that conflict(i, j) does not excuse. Sorting by start makes it O(n log n): while nothing
+// overlaps, at most one span is open when the next one starts.
+template <typename Conflict>
+std::optional<std::pair<size_t, size_t>> find_overlap(std::vector<Span>& spans, Conflict&& conflict) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    if (a.device != b.device) return a.device < b.device;
+    return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
+  });
+  std::vector<const Span*> open;
+  for (const Span& s : spans) {
+    open.erase(std::remove_if(open.begin(), open.end(),
+                              [&](const Span* o) { return o->device != s.device || o->end <= s.begin; }),
+               open.end());
+    for (const Span* o : open) {
+      const size_t i = std::min(o->index, s.index), j = std::max(o->index, s.index);
+      if (conflict(i, j)) return std::make_pair(i, j);
+    }
+    open.push_back(&s);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::pair<size_t, size_t>> find_overlap(std::vector<Span>& spans) {
+  return find_overlap(spans, [](size_t, size_t) { return true; });
+}
+
+// "tensors[5] (list 1, tensor 2)" for device-major lists of P tensors.
+std::string list_item(size_t k, int64_t P) {
+  return "tensors[" + std::to_string(k) + "] (list " + num(static_cast<int64_t>(k) / P) + ", tensor " +
+         num(static_cast<int64_t>(k) % P) + ")";
+}
 
 }  // namespace
 
@@ -49,6 +129,17 @@ int64_t check_flatten(const c10::List<std::optional<at::Tensor>>& tensors, at::I
   }
   TORCH_CHECK(out.numel() >= total, op, ": out is too small: it has ", num(out.numel()),
               " elements but the tensors need ", num(total));
+  // Inputs may share memory with each other (they are only read), not with what is written.
+  std::vector<Span> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::optional<at::Tensor> maybe = tensors.get(i);
+    if (maybe.has_value() && maybe->defined()) add_span(spans, *maybe, i);
+  }
+  add_prefix(spans, out, tensors.size(), total);
+  if (const auto hit = find_overlap(spans, [&](size_t, size_t j) { return j == tensors.size(); })) {
+    TORCH_CHECK(false, op, ": ", item("tensors", hit->first),
+                " overlaps out in memory; the inputs must not share memory with the part of out that is written");
+  }
   return total;
 }
 
@@ -68,6 +159,18 @@ int64_t check_unflatten(const at::Tensor& flat, at::TensorList tensors) {
   }
   TORCH_CHECK(flat.numel() >= total, op, ": flat is too small: it has ", num(flat.numel()),
               " elements but the tensors need ", num(total));
+  std::vector<Span> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) add_span(spans, tensors[i], i);
+  add_prefix(spans, flat, tensors.size(), total);
+  if (const auto hit = find_overlap(spans)) {
+    const auto [i, j] = *hit;
+    if (j == tensors.size()) {
+      TORCH_CHECK(false, op, ": ", item("tensors", i),
+                  " overlaps flat in memory; the destinations must not share memory with the part of flat that is read");
+    }
+    TORCH_CHECK(false, op, ": ", item("tensors", j), " overlaps ", item("tensors", i),
+                " in memory; give distinct destinations");
+  }
   return total;
 }
 
@@ -77,7 +180,7 @@ void check_device_buffers(const char* op, const char* arg, at::TensorList buffer
   std::set<int> cuda_devices;
   for (size_t i = 0; i < buffers.size(); ++i) {
     const at::Tensor& b = buffers[i];
-    const std::string name = item(arg, i);
+    const Item name = item(arg, i);
     TORCH_CHECK(b.defined(), op, ": ", name, " is undefined");
     TORCH_CHECK(b.is_cuda() || b.is_cpu(), op, ": ", name, " must be a CPU or CUDA tensor, got ", b.device().str());
     TORCH_CHECK(b.is_cuda() == b0.is_cuda(), op, ": ", arg, " mixes CPU and CUDA tensors (", arg, "[0] is on ",
@@ -91,12 +194,13 @@ void check_device_buffers(const char* op, const char* arg, at::TensorList buffer
     if (b.is_cuda()) {
       TORCH_CHECK(cuda_devices.insert(b.get_device()).second, op, ": ", name, " is on ", b.device().str(),
                   ", which another buffer already uses; give one buffer per device");
-    } else {
-      for (size_t j = 0; j < i; ++j) {
-        TORCH_CHECK(at::get_overlap_status(b, buffers[j]) == at::MemOverlapStatus::No, op, ": ", name,
-                    " aliases another buffer; give distinct buffers (it overlaps ", item(arg, j), " in memory)");
-      }
     }
+  }
+  std::vector<Span> spans;
+  for (size_t i = 0; i < buffers.size(); ++i) add_span(spans, buffers[i], i);
+  if (const auto hit = find_overlap(spans)) {
+    TORCH_CHECK(false, op, ": ", item(arg, hit->second), " aliases another buffer; give distinct buffers (it overlaps ",
+                item(arg, hit->first), " in memory)");
   }
 }
 
@@ -105,7 +209,7 @@ bool parse_reduce_op(const char* op, const std::string& name) {
   return name == "mean";
 }
 
-int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_devices) {
+int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_devices, bool one_list_per_device) {
   TORCH_CHECK(num_devices >= 1, op, ": num_devices must be >= 1, got ", num(num_devices));
   TORCH_CHECK(!tensors.empty(), op, ": tensors must be a non-empty list");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) % num_devices == 0, op, ": tensors has ", num(tensors.size()),
@@ -117,7 +221,7 @@ int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_d
     for (int64_t p = 0; p < P; ++p) {
       const at::Tensor& t = tensors[d * P + p];
       const at::Tensor& ref = tensors[p];
-      const std::string name = item("tensors", static_cast<size_t>(d * P + p));
+      const Item name = item("tensors", static_cast<size_t>(d * P + p));
       TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
       TORCH_CHECK(t.is_cuda() || t.is_cpu(), op, ": ", name, " must be a CPU or CUDA tensor, got ", t.device().str());
       TORCH_CHECK(t.is_cuda() == tensors[0].is_cuda(), op, ": tensors mixes CPU and CUDA tensors (tensors[0] is on ",
@@ -132,10 +236,17 @@ int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_d
                   item("tensors", static_cast<size_t>(p)), " (", c10::toString(ref.scalar_type()), ", ",
                   num(ref.numel()), " elements) of device list 0");
     }
-    if (first.is_cuda()) {
+    if (first.is_cuda() && one_list_per_device) {
       TORCH_CHECK(devices.insert(first.get_device()).second, op, ": device list ", num(d), " is on ",
                   first.device().str(), ", which another list already uses; give one list per device");
     }
+  }
+  // Every tensor is read and written (or zeroed): none may share memory with another, in any list.
+  std::vector<Span> spans;
+  for (size_t k = 0; k < tensors.size(); ++k) add_span(spans, tensors[k], k);
+  if (const auto hit = find_overlap(spans)) {
+    TORCH_CHECK(false, op, ": ", list_item(hit->second, P), " overlaps ", list_item(hit->first, P),
+                " in memory; every tensor needs its own memory");
   }
   return P;
 }
@@ -147,7 +258,7 @@ void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList d
   const size_t P = srcs.size();
   for (size_t p = 0; p < P; ++p) {
     const at::Tensor& s = srcs[p];
-    const std::string name = item("srcs", p);
+    const Item name = item("srcs", p);
     TORCH_CHECK(s.defined(), op, ": ", name, " is undefined");
     TORCH_CHECK(s.device() == srcs[0].device(), op, ": ", name, " is on ", s.device().str(), " but srcs[0] is on ",
                 srcs[0].device().str());
@@ -157,7 +268,7 @@ void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList d
   for (size_t i = 0; i < dsts.size(); ++i) {
     const at::Tensor& t = dsts[i];
     const at::Tensor& s = srcs[i % P];
-    const std::string name = item("dsts", i);
+    const Item name = item("dsts", i);
     TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
     TORCH_CHECK(t.is_cuda() == s.is_cuda(), op, ": ", name, " is on ", t.device().str(), " but srcs are on ",
                 s.device().str(), "; CPU and CUDA cannot be mixed");
@@ -168,6 +279,26 @@ void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList d
     TORCH_CHECK(t.scalar_type() == s.scalar_type() && t.numel() == s.numel(), op, ": ", name, " (",
                 c10::toString(t.scalar_type()), ", ", num(t.numel()), " elements) does not match ",
                 item("srcs", i % P), " (", c10::toString(s.scalar_type()), ", ", num(s.numel()), " elements)");
+  }
+  // Numbering: srcs 0..P-1, then dsts. Sources may share memory (they are only read), and a
+  // destination may be its own source (same address; both are contiguous with the same numel and
+  // dtype, so the same memory: nothing to copy). Any other sharing is refused.
+  std::vector<Span> spans;
+  for (size_t p = 0; p < P; ++p) add_span(spans, srcs[p], p);
+  for (size_t i = 0; i < dsts.size(); ++i) add_span(spans, dsts[i], P + i);
+  const auto hit = find_overlap(spans, [&](size_t a, size_t b) {
+    if (b < P) return false;
+    if (a >= P) return true;
+    return (b - P) % P != a || dsts[b - P].const_data_ptr() != srcs[a].const_data_ptr();
+  });
+  if (hit) {
+    const auto [a, b] = *hit;
+    if (a >= P) {
+      TORCH_CHECK(false, op, ": ", item("dsts", b - P), " overlaps ", item("dsts", a - P),
+                  " in memory; give distinct destinations");
+    }
+    TORCH_CHECK(false, op, ": ", item("dsts", b - P), " overlaps ", item("srcs", a),
+                " in memory; a destination may be its own source, but share memory with no other source");
   }
 }
 

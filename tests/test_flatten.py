@@ -307,6 +307,7 @@ def test_opcheck_unflatten(device, rand):
 FLATTEN_BAD = [
     "empty", "device_mismatch", "out_too_small", "out_int32", "input_int32", "numels_length_wrapper",
     "numels_length_op", "numels_value", "numels_negative", "none_without_numels", "out_not_contiguous",
+    "input_overlaps_out", "input_is_out", "strided_input_overlaps_out", "input_aliases_out_other_storage",
 ]
 
 
@@ -361,6 +362,25 @@ def _flatten_bad_case(case, device, rand):
         base = rand.randn(16, 2, device=device)
         nc = base.t()
         return (lambda: op([a, b], [3, 4], nc, 1.0), RuntimeError, r"flatten_: out must be contiguous", [base])
+    overlap = r"flatten_: tensors\[{}\] overlaps out in memory; the inputs must not share memory with the part of out"
+    if case == "input_overlaps_out":
+        buf = rand.randn(8, device=device)
+        return lambda: ops.flatten([buf[0:4]], out=buf[2:6]), RuntimeError, overlap.format(0), [buf]
+    if case == "input_is_out":
+        return lambda: ops.flatten([a, out[3:7]], out=out), RuntimeError, overlap.format(1), [out, a]
+    if case == "strided_input_overlaps_out":
+        # A transposed view of out: its first-to-last element range covers what flatten writes.
+        buf = rand.randn(24, device=device)
+        return (lambda: ops.flatten([buf[:16].view(4, 4).t()], out=buf[8:24]), RuntimeError, overlap.format(0),
+                [buf])
+    if case == "input_aliases_out_other_storage":
+        # Two tensors over the same memory with separate storages (as from_blob/DLPack make them):
+        # the check compares addresses, not storages.
+        if device != "cpu":
+            pytest.skip("numpy aliases CPU memory only")
+        arr = rand.randn(8).numpy()
+        buf, alias = torch.from_numpy(arr), torch.from_numpy(arr)
+        return lambda: ops.flatten([alias[4:8]], out=buf[2:6]), RuntimeError, overlap.format(0), [buf]
     raise AssertionError(case)
 
 
@@ -385,7 +405,8 @@ def test_flatten_cuda_tensors_into_cpu_out(device, rand):
     assert_same_bits(out, saved)
 
 
-UNFLATTEN_BAD = ["empty", "flat_too_small", "dest_int32", "flat_int32", "device_mismatch", "flat_not_contiguous"]
+UNFLATTEN_BAD = ["empty", "flat_too_small", "dest_int32", "flat_int32", "device_mismatch", "flat_not_contiguous",
+                 "dest_overlaps_flat", "dests_overlap", "dest_twice", "strided_dests_interleaved"]
 
 
 def _unflatten_bad_case(case, device, rand):
@@ -417,6 +438,23 @@ def _unflatten_bad_case(case, device, rand):
     if case == "flat_not_contiguous":
         nc = rand.randn(10, 2, device=device).t()
         return lambda: op(nc, [a, b], 1.0), r"unflatten_: flat must be contiguous", [a, b]
+    if case == "dest_overlaps_flat":
+        buf = rand.randn(8, device=device)
+        return (lambda: ops.unflatten_(buf[0:4], [buf[2:6]]),
+                r"unflatten_: tensors\[0\] overlaps flat in memory; the destinations must not share memory", [buf])
+    if case == "dests_overlap":
+        buf = rand.randn(8, device=device)
+        return (lambda: ops.unflatten_(flat, [buf[0:4], buf[3:7]]),
+                r"unflatten_: tensors\[1\] overlaps tensors\[0\] in memory; give distinct destinations", [buf])
+    if case == "dest_twice":
+        return (lambda: ops.unflatten_(flat, [a, b, a]),
+                r"unflatten_: tensors\[2\] overlaps tensors\[0\] in memory; give distinct destinations", [a, b])
+    if case == "strided_dests_interleaved":
+        # Columns 0 and 1 of one matrix share no element, but their first-to-last ranges intersect:
+        # refused, since the check compares address ranges.
+        m = rand.randn(3, 2, device=device)
+        return (lambda: ops.unflatten_(flat, [m[:, 0], m[:, 1]]),
+                r"unflatten_: tensors\[1\] overlaps tensors\[0\] in memory", [m])
     raise AssertionError(case)
 
 
@@ -429,6 +467,108 @@ def test_unflatten_bad_input(device, case, rand):
         call()
     for t, s in zip(keep, saved):
         assert_same_bits(t, s, f"{case}: a failed unflatten_ wrote into its arguments")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flatten_inputs_may_share_memory_with_each_other_and_with_unwritten_out(device, rand):
+    """Only memory that is written must not be read: inputs may overlap each other, and the part of
+    out past sum(numels) is not written."""
+    buf = rand.randn(16, device=device)
+    x = rand.randn(6, device=device)
+    tensors = [x, x[1:4], buf[13:16]]  # 12 elements written: buf[0:12]
+    expected = buf.clone()
+    reference.flatten_([t.clone() for t in tensors], [6, 3, 3], expected, 1.0)
+    ops.flatten(tensors, out=buf)
+    assert_same_bits(buf, expected)
+
+
+@pytest.mark.parametrize("case", ["flatten_input_overlaps_out", "unflatten_dest_overlaps_flat", "unflatten_dests_overlap"])
+def test_reference_refuses_overlaps_before_writing(case, rand):
+    """The pure-PyTorch fallback refuses what the kernels refuse, with their message."""
+    buf = rand.randn(8)
+    saved = buf.clone()
+    calls = {
+        "flatten_input_overlaps_out": (lambda: reference.flatten_([buf[0:4]], [4], buf[2:6], 1.0),
+                                       r"flatten_: tensors\[0\] overlaps out in memory"),
+        "unflatten_dest_overlaps_flat": (lambda: reference.unflatten_(buf[0:4], [buf[2:6]], 1.0),
+                                         r"unflatten_: tensors\[0\] overlaps flat in memory"),
+        "unflatten_dests_overlap": (lambda: reference.unflatten_(rand.randn(8), [buf[0:4], buf[2:6]], 1.0),
+                                    r"unflatten_: tensors\[1\] overlaps tensors\[0\] in memory"),
+    }
+    call, match = calls[case]
+    with raises_matching(RuntimeError, match):
+        call()
+    assert_same_bits(buf, saved, f"{case}: the reference wrote before refusing")
+
+
+NON_TENSOR_CASES = ["nested_list", "string_among_tensors", "out_list", "tensor_as_list", "flat_list", "dest_int"]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "reference-fallback"])
+@pytest.mark.parametrize("case", NON_TENSOR_CASES)
+def test_wrappers_name_non_tensor_arguments(case, native, rand, monkeypatch):
+    """A non-tensor argument is a TypeError naming it and saying what it is (it used to be an
+    AttributeError from inside the wrapper, or the dispatcher's schema dump)."""
+    if not native:
+        monkeypatch.setattr(ops._ext, "LOADED", False)
+        monkeypatch.setattr(ops._ext, "_warned", True)
+    a, out = rand.randn(3), rand.randn(8)
+    saved = [a.clone(), out.clone()]
+    calls = {
+        "nested_list": (lambda: ops.flatten([[1.0, 2.0]]),
+                        r"flatten: tensors\[0\] must be a torch.Tensor or None, got list \[1.0, 2.0\]"),
+        "string_among_tensors": (lambda: ops.flatten([a, "x"], out=out, numels=[3, 1]),
+                                 r"flatten: tensors\[1\] must be a torch.Tensor or None, got str 'x'"),
+        "out_list": (lambda: ops.flatten([a], out=[0.0] * 3), r"flatten: out must be a torch.Tensor, got list"),
+        "tensor_as_list": (lambda: ops.flatten(a, out=out), r"flatten: tensors must be a list of tensors, got Tensor"),
+        "flat_list": (lambda: ops.unflatten_([1.0, 2.0, 3.0], [a]), r"unflatten_: flat must be a torch.Tensor, got list"),
+        "dest_int": (lambda: ops.unflatten_(out, [a, 3]), r"unflatten_: tensors\[1\] must be a torch.Tensor, got int 3"),
+    }
+    call, match = calls[case]
+    with raises_matching(TypeError, match):
+        call()
+    for t, s in zip([a, out], saved):
+        assert_same_bits(t, s, f"{case}: a refused call wrote into its arguments")
+
+
+# --------------------------------------------------------------------------------------------
+# toolchain: how the extension is linked (csrc/exports.map, csrc/validate.cpp)
+# --------------------------------------------------------------------------------------------
+
+
+def _symbols(*nm_args):
+    import shutil
+    import subprocess
+
+    from vlseq_ext import _C
+
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) is not installed")
+    proc = subprocess.run(["nm", *nm_args, _C.__file__], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return _C.__file__, proc.stdout
+
+
+def test_toolchain_extension_exports_only_its_entry_point():
+    """setup.py links with csrc/exports.map: the extension exports PyInit__C and nothing else, so no
+    C++ runtime code inside it can be bound to (or interpose) the process's libstdc++.so.6. A build
+    that exported such code formatted numbers with the wrong locale facet and crashed
+    (benchmarks/results/cuda-gdb-bad-input-crash.txt)."""
+    path, out = _symbols("-D", "--defined-only")
+    names = sorted({line.split()[-1] for line in out.splitlines() if line.strip()})
+    assert names == ["PyInit__C"], f"{path} exports {len(names)} symbols, e.g. {names[:10]}: was it linked " \
+                                   "without -Wl,--version-script=csrc/exports.map?"
+
+
+def test_toolchain_libstdcxx_is_linked_dynamically():
+    """The extension uses the process's libstdc++.so.6, like torch, instead of a private copy:
+    std::locale::classic() (_ZNSt6locale7classicEv) defined inside it means libstdc++ was linked
+    statically, e.g. through -static-libstdc++ in LDFLAGS or in Python's sysconfig LDSHARED."""
+    path, out = _symbols("--defined-only")
+    if not out.strip():
+        pytest.skip(f"{path} has no symbol table (stripped)")
+    copied = [line for line in out.splitlines() if line.endswith(" _ZNSt6locale7classicEv")]
+    assert not copied, f"{path} holds its own copy of libstdc++ ({copied[0].strip()}); check the link flags"
 
 
 # --------------------------------------------------------------------------------------------

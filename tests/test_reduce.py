@@ -15,6 +15,7 @@ Two oracles for every reduction:
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import re
 import subprocess
@@ -327,11 +328,25 @@ def test_reduce_tensors_cpu(ndev, scale, zero_others, rand):
     _check_reduce_tensors(lists, originals, expected, scale, zero_others)
 
 
-@pytest.mark.parametrize("case", ["uneven", "shape", "not_contiguous"])
+@pytest.mark.parametrize("case", ["uneven", "shape", "not_contiguous", "same_tensor_in_two_lists",
+                                  "overlapping_views_in_two_lists", "same_tensor_twice_in_one_list"])
 def test_reduce_tensors_bad_input(case, rand):
     a0, b0, a1, b1 = rand.randn(5), rand.randn(2, 3), rand.randn(5), rand.randn(2, 3)
     keep = [a0, b0, a1, b1]
-    if case == "uneven":
+    overlap = (r"reduce_tensors_: tensors\[{}\] \(list {}, tensor {}\) overlaps tensors\[{}\] \(list {}, tensor {}\) "
+               r"in memory; every tensor needs its own memory")
+    if case == "same_tensor_in_two_lists":
+        # [[x], [x]] used to sum x with itself and then zero it.
+        lists, exc, match = [[a0, b0], [a0, b1]], RuntimeError, overlap.format(2, 1, 0, 0, 0, 0)
+    elif case == "overlapping_views_in_two_lists":
+        base = rand.randn(8)
+        keep.append(base)
+        lists, exc, match = [[base[0:5], b0], [base[3:8], b1]], RuntimeError, overlap.format(2, 1, 0, 0, 0, 0)
+    elif case == "same_tensor_twice_in_one_list":
+        c = rand.randn(2, 3)
+        keep.append(c)
+        lists, exc, match = [[a0, c], [a1, c]], RuntimeError, overlap.format(3, 1, 1, 1, 0, 1)
+    elif case == "uneven":
         lists, exc, match = [[a0, b0], [a1]], ValueError, r"reduce_tensors_: every device needs the same number"
     elif case == "shape":
         c = rand.randn(7)
@@ -347,6 +362,92 @@ def test_reduce_tensors_bad_input(case, rand):
         ops.reduce_tensors_(lists, 0.5, True)
     for t, v in zip(keep, saved):
         assert_same_bits(t, v, f"{case}: a failed reduce_tensors_ changed a tensor")
+
+
+@pytest.mark.parametrize("zero_others", [True, False])
+@pytest.mark.parametrize("nlists", [5, 8])
+def test_reduce_tensors_cpu_lists_are_views_of_one_buffer(nlists, zero_others, rand):
+    """Many lists on one device, every tensor a disjoint view of one flat buffer (as gradient sets of
+    several streams might be): accepted, and list 0 gets the sum in list order 0, 1, 2, ..."""
+    specs = [((3, 4), torch.float32), ((4097,), torch.float32), ((1,), torch.float32), ((5, 7), torch.float32)]
+    per_list = sum(math.prod(shape) for shape, _ in specs)
+    flat = rand.randn(nlists * per_list + 3)
+    views, off = [], 3  # start at element 3: no list is 16-byte aligned
+    for _ in range(nlists):
+        lst = []
+        for shape, _ in specs:
+            n = math.prod(shape)
+            lst.append(flat[off:off + n].view(shape))
+            off += n
+        views.append(lst)
+    originals = [clones(lst) for lst in views]
+    expected = [clones(lst) for lst in views]
+    reference.reduce_tensors_(expected, 0.5, zero_others)
+    ops.reduce_tensors_(views, 0.5, zero_others)
+    _check_reduce_tensors(views, originals, expected, 0.5, zero_others)
+
+
+REFERENCE_OVERLAPS = {
+    "reduce_tensors_": (lambda x, y: reference.reduce_tensors_([[x], [x]], 1.0, True),
+                        r"reduce_tensors_: tensors\[1\] \(list 1, tensor 0\) overlaps tensors\[0\]"),
+    "all_reduce_tensors_": (lambda x, y: reference.all_reduce_tensors_([[x[0:4]], [x[2:6]]], 1.0),
+                            r"all_reduce_tensors_: tensors\[1\] \(list 1, tensor 0\) overlaps tensors\[0\]"),
+    "all_reduce_": (lambda x, y: reference.all_reduce_([x, y, x], "sum"),
+                    r"all_reduce_: buffers\[2\] aliases another buffer; give distinct buffers"),
+    "broadcast_": (lambda x, y: reference.broadcast_(y, [x[0:6], x[2:8]]),
+                   r"broadcast_: dsts\[1\] overlaps dsts\[0\] in memory"),
+    "broadcast_tensors_": (lambda x, y: reference.broadcast_tensors_([x[0:6]], [[x[1:7]]]),
+                           r"broadcast_tensors_: dsts\[0\] overlaps srcs\[0\] in memory"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(REFERENCE_OVERLAPS))
+def test_reference_refuses_overlaps_before_writing(op, rand):
+    """The pure-PyTorch fallback refuses what the kernels refuse, with their message."""
+    x, y = rand.randn(8), rand.randn(6)
+    saved = clones([x, y])
+    call, match = REFERENCE_OVERLAPS[op]
+    with raises_matching(RuntimeError, match):
+        call(x, y)
+    for t, v in zip([x, y], saved):
+        assert_same_bits(t, v, f"{op}: the reference wrote before refusing")
+
+
+NON_TENSOR_CASES = {
+    "all_reduce_": (lambda a, b: ops.all_reduce_([a, None]), r"all_reduce_: buffers\[1\] must be a torch.Tensor, "
+                                                             r"got NoneType None"),
+    "all_reduce_tensor_as_list": (lambda a, b: ops.all_reduce_(a), r"all_reduce_: buffers must be a list of tensors, "
+                                                                   r"got Tensor"),
+    "broadcast_": (lambda a, b: ops.broadcast_([1.0] * 5, [a]), r"broadcast_: src must be a torch.Tensor, got list"),
+    "reduce_tensors_": (lambda a, b: ops.reduce_tensors_([[a, b], [a.clone(), [1.0, 2.0]]]),
+                        r"reduce_tensors_: tensor_lists\[1\]\[1\] must be a torch.Tensor, got list \[1.0, 2.0\]"),
+    "reduce_tensors_flat_list": (lambda a, b: ops.reduce_tensors_([a, b]),
+                                 r"reduce_tensors_: tensor_lists\[0\] must be a list of tensors, got Tensor"),
+    "all_reduce_tensors_": (lambda a, b: ops.all_reduce_tensors_([[a], [3.0]]),
+                            r"all_reduce_tensors_: tensor_lists\[1\]\[0\] must be a torch.Tensor, got float 3.0"),
+    "broadcast_tensors_": (lambda a, b: ops.broadcast_tensors_([a], [[b], ["x"]]),
+                           r"broadcast_tensors_: dst_lists\[1\]\[0\] must be a torch.Tensor, got str 'x'"),
+    "broadcast_tensors_not_nested": (lambda a, b: ops.broadcast_tensors_([a], [5]),
+                                     r"broadcast_tensors_: dst_lists\[0\] must be a list of tensors, got int 5"),
+    "p2p_status": (lambda a, b: ops.p2p_status([a, 1]), r"p2p_status: buffers\[1\] must be a torch.Tensor, got int 1"),
+}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "reference-fallback"])
+@pytest.mark.parametrize("case", sorted(NON_TENSOR_CASES))
+def test_wrappers_name_non_tensor_arguments(case, native, rand, monkeypatch):
+    """A non-tensor argument is a TypeError naming it and saying what it is; nothing is written
+    (the reference would have written list 0 before reaching a bad entry of a later list)."""
+    if not native:
+        monkeypatch.setattr(ops._ext, "LOADED", False)
+        monkeypatch.setattr(ops._ext, "_warned", True)
+    a, b = rand.randn(5), rand.randn(5)
+    saved = clones([a, b])
+    call, match = NON_TENSOR_CASES[case]
+    with raises_matching(TypeError, match):
+        call(a, b)
+    for t, v in zip([a, b], saved):
+        assert_same_bits(t, v, f"{case}: a refused call wrote into its arguments")
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,6 +482,12 @@ def test_broadcast_tensors_cpu(rand):
     ops.broadcast_tensors_(srcs, [srcs])
     for s, v in zip(srcs, saved):
         assert_same_bits(s, v)
+    # sources may share memory with each other: they are only read
+    base = rand.randn(8)
+    dsts = [torch.empty(6), torch.empty(6)]
+    ops.broadcast_tensors_([base[0:6], base[2:8]], [dsts])
+    assert_same_bits(dsts[0], base[0:6])
+    assert_same_bits(dsts[1], base[2:8])
 
 
 def test_opcheck_broadcast(rand):
@@ -497,6 +604,7 @@ def test_empty_lists_name_the_problem(name):
 
 
 ALL_REDUCE_TENSORS_BAD = ["empty", "uneven", "shape", "dtype", "not_contiguous", "int_dtype", "meta",
+                          "same_tensor_in_two_lists",
                           pytest.param("cpu_cuda_mixed", marks=pytest.mark.requires_cuda),
                           pytest.param("cuda_same_device", marks=pytest.mark.requires_cuda)]
 
@@ -529,6 +637,9 @@ def _all_reduce_tensors_bad_case(case, rand):
         m = torch.empty(2, 3, device="meta")
         return ([[a0, b0], [a1, m]], RuntimeError,
                 r"all_reduce_tensors_: tensors\[3\] must be a CPU or CUDA tensor, got meta", [a0, b0, a1])
+    if case == "same_tensor_in_two_lists":
+        return ([[a0, b0], [a1, b0]], RuntimeError, r"all_reduce_tensors_: tensors\[3\] \(list 1, tensor 1\) "
+                r"overlaps tensors\[1\] \(list 0, tensor 1\) in memory; every tensor needs its own memory", keep)
     if case == "cpu_cuda_mixed":
         c, d = rand.randn(5, device="cuda:0"), rand.randn(2, 3, device="cuda:0")
         return ([[a0, b0], [c, d]], RuntimeError,
@@ -553,6 +664,8 @@ def test_all_reduce_tensors_bad_input(case, rand):
 
 
 BROADCAST_BAD = ["numel", "dtype", "dst_not_contiguous", "src_int", "tensors_length", "tensors_shape",
+                 "dsts_same_tensor", "dst_overlaps_src", "dst_lists_share_a_tensor", "dst_is_another_source",
+                 "dst_shifted_own_source",
                  pytest.param("cuda_src_cpu_dst", marks=pytest.mark.requires_cuda)]
 
 
@@ -587,6 +700,25 @@ def _broadcast_bad_case(case, rand):
         return (lambda: ops.broadcast_tensors_([src, s2], [[d0, e0], [d1, e1]]), RuntimeError,
                 r"broadcast_tensors_: dsts\[3\] \(Float, 9 elements\) does not match srcs\[1\] \(Float, 6 elements\)",
                 [src, s2, d0, e0, d1, e1])
+    if case == "dsts_same_tensor":
+        return (lambda: ops.broadcast_(src, [d0, d1, d0]), RuntimeError,
+                r"broadcast_: dsts\[2\] overlaps dsts\[0\] in memory; give distinct destinations", [src, d0, d1])
+    if case == "dst_overlaps_src":
+        base = rand.randn(8)
+        return (lambda: ops.broadcast_(base[0:5], [d0, base[3:8]]), RuntimeError,
+                r"broadcast_: dsts\[1\] overlaps srcs\[0\] in memory; a destination may be its own source, but "
+                r"share memory with no other source", [base, d0])
+    if case == "dst_lists_share_a_tensor":
+        return (lambda: ops.broadcast_tensors_([src], [[d0], [d1], [d0]]), RuntimeError,
+                r"broadcast_tensors_: dsts\[2\] overlaps dsts\[0\] in memory", [src, d0, d1])
+    if case == "dst_is_another_source":
+        s2 = rand.randn(5)
+        return (lambda: ops.broadcast_tensors_([src, s2], [[s2, d0]]), RuntimeError,
+                r"broadcast_tensors_: dsts\[0\] overlaps srcs\[1\] in memory", [src, s2, d0])
+    if case == "dst_shifted_own_source":
+        base = rand.randn(6)
+        return (lambda: ops.broadcast_tensors_([base[0:5]], [[base[1:6]]]), RuntimeError,
+                r"broadcast_tensors_: dsts\[0\] overlaps srcs\[0\] in memory", [base])
     if case == "cuda_src_cpu_dst":
         s = rand.randn(5, device="cuda:0")
         return (lambda: ops.broadcast_(s, [d0]), RuntimeError,
@@ -636,6 +768,68 @@ def test_all_reduce_tensors_single_cuda_device(rand):
     ops.all_reduce_tensors_(lists, 0.25)
     for p, (t, e) in enumerate(zip(lists[0], expected[0])):
         assert_same_bits(t, e, f"tensor {p}")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("zero_others", [True, False])
+def test_reduce_tensors_several_lists_on_one_gpu(zero_others, rand):
+    """Three lists on cuda:0 (e.g. the gradients of three streams): list 0 gets the sum in list
+    order, with the reference's bits."""
+    lists = _device_lists(rand, 3, MIXED_SPECS, ["cuda:0"] * 3)
+    originals = [[t.cpu() for t in lst] for lst in lists]
+    expected = [[t.cpu() for t in lst] for lst in lists]
+    reference.reduce_tensors_(expected, 0.25, zero_others)
+    ops.reduce_tensors_(lists, 0.25, zero_others)
+    _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
+                          where="cuda:0")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("case", ["reduce_same_tensor_in_two_lists", "all_reduce_tensors_same_tensor_twice",
+                                  "broadcast_dsts_overlap", "flatten_input_overlaps_out"])
+def test_overlaps_refused_on_cuda(case, rand):
+    x, y = rand.randn(8, device="cuda:0"), rand.randn(8, device="cuda:0")
+    saved = clones([x, y])
+    calls = {
+        "reduce_same_tensor_in_two_lists": (lambda: ops.reduce_tensors_([[x], [x]]),
+                                            r"reduce_tensors_: tensors\[1\] \(list 1, tensor 0\) overlaps tensors\[0\]"),
+        "all_reduce_tensors_same_tensor_twice": (lambda: ops.all_reduce_tensors_([[x, x]]),
+                                                 r"all_reduce_tensors_: tensors\[1\] \(list 0, tensor 1\) overlaps"),
+        "broadcast_dsts_overlap": (lambda: ops.broadcast_tensors_([y[0:4]], [[x[0:4]], [x[2:6]]]),
+                                   r"broadcast_tensors_: dsts\[1\] overlaps dsts\[0\] in memory"),
+        "flatten_input_overlaps_out": (lambda: ops.flatten([x[0:4]], out=x[2:6]),
+                                       r"flatten_: tensors\[0\] overlaps out in memory"),
+    }
+    call, match = calls[case]
+    with raises_matching(RuntimeError, match):
+        call()
+    for t, v in zip([x, y], saved):
+        assert_same_bits(t, v, f"{case}: a refused call changed a tensor")
+
+
+_STREAMED_NUMBERS_SCRIPT = textwrap.dedent(r"""
+    import torch
+    from vlseq_ext import ops
+
+    lists = [[torch.zeros(3, device="cuda:0")] for _ in range(9)]
+    try:
+        ops.reduce_tensors_(lists)
+    except RuntimeError as exc:
+        print(str(exc).splitlines()[0])
+""")
+
+
+@pytest.mark.requires_cuda
+def test_cuda_error_message_with_streamed_numbers():
+    """The one TORCH_CHECK that streams integers (check_rank_count in csrc/cuda/ops_cuda.cpp) reaches
+    Python whole. On the GPU machine such a message once crashed the process inside the
+    extension's own copy of std::ostream (benchmarks/results/cuda-gdb-bad-input-crash.txt) or, with
+    other toolchains, lost everything after the first number. Run in a subprocess, so a crash fails
+    this test instead of the run."""
+    proc = subprocess.run([sys.executable, "-c", _STREAMED_NUMBERS_SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"the subprocess died (returncode {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.strip() == "reduce_tensors_: at most 8 lists are supported, got 9", proc.stdout + proc.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,6 +930,9 @@ _NO_P2P_SCRIPT = textwrap.dedent(r"""
     lists = [[t.to(f"cuda:{d}", copy=True) for t in lst] for d, lst in enumerate(cases["lists"])]
     ops.reduce_tensors_(lists, cases["scale"], True)
     out["reduced"] = [[t.cpu() for t in lst] for lst in lists]
+    shared = [[t.to(dev, copy=True) for t in lst] for dev, lst in zip(["cuda:0", "cuda:1", "cuda:0"], cases["lists3"])]
+    ops.reduce_tensors_(shared, cases["scale"], True)
+    out["reduced_shared"] = [[t.cpu() for t in lst] for lst in shared]
     srcs = [t.to("cuda:0", copy=True) for t in cases["srcs"]]
     dsts = [torch.full_like(s, float("nan"), device="cuda:1") for s in srcs]
     ops.broadcast_tensors_(srcs, [dsts])
@@ -756,6 +953,7 @@ def test_copy_engine_fallback_gives_the_p2p_bits(rand, tmp_path):
                 algo = ALGOS[(size + len(op)) % len(ALGOS)]  # any algo must degrade to copy_engine
                 cases["all_reduce"][f"{size}-{dname(dtype)}-{op}"] = (x0, x1, op, algo)
     cases["lists"] = _device_lists(rand, 2, MIXED_SPECS)
+    cases["lists3"] = _device_lists(rand, 3, MIXED_SPECS)
     cases["srcs"] = [rand.randn(*shape, dtype=dtype) for shape, dtype in MIXED_SPECS]
     inp, outp = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(cases, inp)
@@ -785,6 +983,10 @@ def test_copy_engine_fallback_gives_the_p2p_bits(rand, tmp_path):
     for d in range(2):
         for p, t in enumerate(lists[d]):
             assert_same_bits(got["reduced"][d][p], t.cpu(), f"reduce_tensors_ tensor {p} cuda:{d}: copy engine vs P2P")
+    expected = [clones(lst) for lst in cases["lists3"]]
+    reference.reduce_tensors_(expected, cases["scale"], True)
+    _check_reduce_tensors(got["reduced_shared"], cases["lists3"], expected, cases["scale"], True,
+                          where="copy engine, lists on cuda:0, cuda:1, cuda:0")
     for p, (g, s) in enumerate(zip(got["bcast"], cases["srcs"])):
         assert_same_bits(g, s, f"broadcast_tensors_ without P2P, tensor {p}")
 
@@ -940,6 +1142,24 @@ def test_reduce_tensors_2gpu(count, scale, zero_others, rand):
     ops.reduce_tensors_(lists, scale, zero_others)
     _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], [[t.cpu() for t in lst] for lst in originals],
                           expected, scale, zero_others, where="cuda:1")
+
+
+@pytest.mark.requires_2gpu
+@pytest.mark.parametrize("zero_others", [True, False])
+@pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
+@pytest.mark.parametrize("layout", ["0,0,1", "0,1,0", "1,0,0"])
+def test_reduce_tensors_lists_sharing_a_gpu(layout, count, zero_others, rand):
+    """Two lists on one GPU and one on the other, in every order: events go once per distinct
+    device, the kernel reads every list, and list 0 gets the reference's bits (sum in list order)."""
+    specs = _specs(count)
+    devices = [f"cuda:{d}" for d in layout.split(",")]
+    lists = _device_lists(rand, 3, specs, devices)
+    originals = [[t.cpu() for t in lst] for lst in lists]
+    expected = [[t.cpu() for t in lst] for lst in lists]
+    reference.reduce_tensors_(expected, 0.25, zero_others)
+    ops.reduce_tensors_(lists, 0.25, zero_others)
+    _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
+                          where=layout)
 
 
 @pytest.mark.requires_2gpu

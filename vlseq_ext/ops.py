@@ -5,6 +5,7 @@ Trainer code calls these, never _C or torch.ops directly.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional, Sequence
 
 import torch
@@ -37,13 +38,54 @@ def has_cuda_kernels() -> bool:
     return _ext.has_kernel("flatten_", "CUDA")
 
 
-def _non_empty(tensors: Sequence, op: str, arg: str) -> list:
-    # Checked here as well as in C++: with no tensor argument the dispatcher cannot pick a kernel
-    # and fails with a generic message.
+def _tensor_list(tensors, op: str, arg: str, empty_ok: bool = False) -> list:
+    # Empty lists are checked here as well as in C++: with no tensor argument the dispatcher cannot
+    # pick a kernel and fails with a generic message.
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Iterable):
+        raise TypeError(f"{op}: {arg} must be a list of tensors, got {_describe(tensors)}")
     tensors = list(tensors)
-    if not tensors:
+    if not tensors and not empty_ok:
         raise ValueError(f"{op}: {arg} must be a non-empty list")
     return tensors
+
+
+def _describe(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _type_error(op: str, args) -> Optional[TypeError]:
+    """A TypeError naming the first of `args` ((name, value, None allowed) triples) that is not a
+    tensor, or None."""
+    for name, value, none_ok in args:
+        if not (isinstance(value, Tensor) or (none_ok and value is None)):
+            kind = "a torch.Tensor or None" if none_ok else "a torch.Tensor"
+            return TypeError(f"{op}: {name} must be {kind}, got {_describe(value)}")
+    return None
+
+
+def _entries(arg: str, values, none_ok: bool = False):
+    return ((f"{arg}[{i}]", v, none_ok) for i, v in enumerate(values))
+
+
+def _run(op: str, args, native, fallback):
+    """Calls the compiled op, or the reference without the extension, and returns its result.
+    `args()` yields the tensor arguments as (name, value, None allowed): a non-tensor among them
+    becomes a TypeError naming it. For the compiled op that check runs only after a failure (the
+    dispatcher refuses non-tensors before any kernel runs, and checking every call would cost the
+    hot path); the reference could write part of its result first, so it is checked up front."""
+    if not _native():
+        err = _type_error(op, args())
+        if err is not None:
+            raise err
+        return fallback()
+    try:
+        return native()
+    except (RuntimeError, TypeError):
+        err = _type_error(op, args())
+        if err is None:
+            raise
+        raise err from None
 
 
 def _native() -> bool:
@@ -67,64 +109,72 @@ def flatten(
     its slice with zeros, so `numels` is required when an entry is None. `out` (contiguous, at
     least sum(numels) elements, on the tensors' device) is written in place; when omitted it is
     allocated with `dtype` (default: the first tensor's dtype). Inputs may have a dtype other
-    than `out`'s: values are converted on the fly. On CUDA this is one kernel launch.
+    than `out`'s: values are converted on the fly. No input may share memory with the part of
+    `out` that is written. On CUDA this is one kernel launch.
     """
     # Checked here too: torch 2.11's dispatcher crashed on an empty Tensor?[] with a CUDA `out`.
-    tensors = _non_empty(tensors, "flatten", "tensors")
-    if numels is None:
-        missing = [i for i, t in enumerate(tensors) if t is None]
-        if missing:
-            raise ValueError(f"flatten: tensors[{missing[0]}] is None, so numels must be given")
-        numels = [t.numel() for t in tensors]
-    numels = [int(n) for n in numels]
-    if len(numels) != len(tensors):
-        raise ValueError(f"flatten: numels has {len(numels)} entries but tensors has {len(tensors)}")
-    if out is None:
-        present = [t for t in tensors if t is not None]
-        if not present:
-            raise ValueError("flatten: every tensor is None; pass `out` so the device and dtype are known")
-        out = torch.empty(sum(numels), dtype=dtype or present[0].dtype, device=present[0].device)
-    if _native():
-        torch.ops.vlseq_ext.flatten_(tensors, numels, out, float(scale))
-    else:
-        reference.flatten_(tensors, numels, out, float(scale))
+    tensors = _tensor_list(tensors, "flatten", "tensors")
+    args = lambda: [*_entries("tensors", tensors, none_ok=True), ("out", out, out is None)]  # noqa: E731
+    try:  # numel(), dtype and device below fail on a non-tensor: say which
+        if numels is None:
+            missing = [i for i, t in enumerate(tensors) if t is None]
+            if missing:
+                raise ValueError(f"flatten: tensors[{missing[0]}] is None, so numels must be given")
+            numels = [t.numel() for t in tensors]
+        numels = [int(n) for n in numels]
+        if len(numels) != len(tensors):
+            raise ValueError(f"flatten: numels has {len(numels)} entries but tensors has {len(tensors)}")
+        if out is None:
+            present = [t for t in tensors if t is not None]
+            if not present:
+                raise ValueError("flatten: every tensor is None; pass `out` so the device and dtype are known")
+            out = torch.empty(sum(numels), dtype=dtype or present[0].dtype, device=present[0].device)
+    except AttributeError:
+        err = _type_error("flatten", args())
+        if err is None:
+            raise
+        raise err from None
+    _run("flatten", args,
+         lambda: torch.ops.vlseq_ext.flatten_(tensors, numels, out, float(scale)),
+         lambda: reference.flatten_(tensors, numels, out, float(scale)))
     return out
 
 
 def unflatten_(flat: Tensor, tensors: Sequence[Tensor], scale: float = 1.0) -> None:
     """Inverse of `flatten`: tensors[i] <- flat[slice i].view_as(tensors[i]) * scale, in place.
-    One launch on CUDA; dtypes may differ between `flat` and the tensors."""
-    if _native():
-        torch.ops.vlseq_ext.unflatten_(flat, list(tensors), float(scale))
-    else:
-        reference.unflatten_(flat, list(tensors), float(scale))
+    One launch on CUDA; dtypes may differ between `flat` and the tensors. The destinations may
+    share memory neither with each other nor with the part of `flat` that is read."""
+    tensors = _tensor_list(tensors, "unflatten_", "tensors", empty_ok=True)  # `flat` picks the kernel
+    _run("unflatten_", lambda: [("flat", flat, False), *_entries("tensors", tensors)],
+         lambda: torch.ops.vlseq_ext.unflatten_(flat, tensors, float(scale)),
+         lambda: reference.unflatten_(flat, tensors, float(scale)))
 
 
 def all_reduce_(buffers: Sequence[Tensor], op: str = "sum", algo: str = "auto") -> None:
     """Sum (or mean) one flat buffer per device into all of them, in place.
 
     Buffers: one per CUDA device (or distinct CPU tensors), same numel and dtype
-    (float32/float16/bfloat16/float64), contiguous. The sum runs in device order 0..N-1 with
-    fp32 accumulation (fp64 for float64), so every buffer ends with identical bits on every run.
-    `algo`: "auto" (measured size threshold), "root" (one kernel on the first device reads and
-    writes every buffer), "one_shot", "two_shot" or "copy_engine" (no peer access). Ordered
-    against each device's current stream with events; no host sync.
+    (float32/float16/bfloat16/float64), contiguous, none sharing memory with another. The sum
+    runs in device order 0..N-1 with fp32 accumulation (fp64 for float64), so every buffer ends
+    with identical bits on every run. `algo`: "auto" (measured size threshold), "root" (one
+    kernel on the first device reads and writes every buffer), "one_shot", "two_shot" or
+    "copy_engine" (no peer access). Ordered against each device's current stream with events;
+    no host sync.
     """
-    buffers = _non_empty(buffers, "all_reduce_", "buffers")
-    if _native():
-        torch.ops.vlseq_ext.all_reduce_(buffers, op, algo)
-    else:
-        reference.all_reduce_(buffers, op, algo)
+    buffers = _tensor_list(buffers, "all_reduce_", "buffers")
+    _run("all_reduce_", lambda: _entries("buffers", buffers),
+         lambda: torch.ops.vlseq_ext.all_reduce_(buffers, op, algo),
+         lambda: reference.all_reduce_(buffers, op, algo))
 
 
 def broadcast_(src: Tensor, dsts: Sequence[Tensor]) -> None:
     """Copy `src` into every tensor of `dsts` (same numel and dtype; typically on other devices)
-    over direct peer reads, ordered with events on the devices' current streams."""
-    dsts = _non_empty(dsts, "broadcast_", "dsts")
-    if _native():
-        torch.ops.vlseq_ext.broadcast_(src, dsts)
-    else:
-        reference.broadcast_(src, dsts)
+    over direct peer reads, ordered with events on the devices' current streams. Destinations may
+    not share memory with each other or with `src`, except a destination that is `src` itself."""
+    dsts = _tensor_list(dsts, "broadcast_", "dsts")
+    _run("broadcast_", lambda: [("src", src, False), *_entries("dsts", dsts)],
+         lambda: torch.ops.vlseq_ext.broadcast_(src, dsts),
+         lambda: reference.broadcast_(src, dsts))
 
 
 class DeviceLists:
@@ -134,9 +184,8 @@ class DeviceLists:
     __slots__ = ("lists", "flat", "num_devices")
 
     def __init__(self, tensor_lists: Sequence[Sequence[Tensor]], op: str = "DeviceLists") -> None:
-        self.lists = [list(lst) for lst in tensor_lists]
-        if not self.lists:
-            raise ValueError(f"{op}: tensor_lists must be a non-empty list")
+        self.lists = [_tensor_list(lst, op, f"tensor_lists[{d}]", empty_ok=True)
+                      for d, lst in enumerate(_tensor_list(tensor_lists, op, "tensor_lists"))]
         sizes = {len(lst) for lst in self.lists}
         if len(sizes) != 1:
             raise ValueError(f"{op}: every device needs the same number of tensors, got {sorted(sizes)}")
@@ -144,6 +193,10 @@ class DeviceLists:
             raise ValueError(f"{op}: tensors must be a non-empty list (every device list is empty)")
         self.flat = [t for lst in self.lists for t in lst]
         self.num_devices = len(self.lists)
+
+    def entries(self):
+        """(name, tensor, False) for every tensor, named tensor_lists[d][p]."""
+        return ((f"tensor_lists[{d}][{p}]", t, False) for d, lst in enumerate(self.lists) for p, t in enumerate(lst))
 
 
 def _as_lists(tensor_lists, op: str) -> DeviceLists:
@@ -157,48 +210,53 @@ def all_reduce_tensors_(tensor_lists, scale: float = 1.0, algo: str = "auto") ->
     bit-identical on all devices. `algo`: "auto", "root" (one kernel on device 0 reads every
     device's tensors and stores the result into all of them: the fewest host operations, best
     for a model's gradients), "two_shot" (each device reduces its share of the elements and
-    stores it everywhere: best for large lists) or "copy_engine"."""
+    stores it everywhere: best for large lists) or "copy_engine". One list per CUDA device; no
+    tensor may share memory with another."""
     packed = _as_lists(tensor_lists, "all_reduce_tensors_")
-    if _native():
-        torch.ops.vlseq_ext.all_reduce_tensors_(packed.flat, packed.num_devices, float(scale), algo)
-    else:
-        reference.all_reduce_tensors_(packed.lists, float(scale))
+    _run("all_reduce_tensors_", packed.entries,
+         lambda: torch.ops.vlseq_ext.all_reduce_tensors_(packed.flat, packed.num_devices, float(scale), algo),
+         lambda: reference.all_reduce_tensors_(packed.lists, float(scale)))
 
 
 def reduce_tensors_(tensor_lists, scale: float = 1.0, zero_others: bool = True) -> None:
-    """tensor_lists[0][p] <- scale * sum_d tensor_lists[d][p] (device order, one kernel on device
-    0's GPU reading its peers), and with `zero_others` every other list is zeroed in the same
-    kernel. The trainer's merge: the master gets the gradient, the replicas restart from zero.
-    Accepts nested lists or a DeviceLists."""
+    """tensor_lists[0][p] <- scale * sum_d tensor_lists[d][p] (list order, one kernel on list 0's
+    GPU reading its peers), and with `zero_others` every other list is zeroed in the same kernel.
+    The trainer's merge: the master gets the gradient, the replicas restart from zero. Accepts
+    nested lists or a DeviceLists, at most 8 lists on CUDA. Several lists may be on one device
+    (e.g. the gradients of several streams); the op is ordered with each device's current stream
+    only, so work on other streams must be ordered with it by the caller. No tensor may share
+    memory with another."""
     packed = _as_lists(tensor_lists, "reduce_tensors_")
-    if _native():
-        torch.ops.vlseq_ext.reduce_tensors_(packed.flat, packed.num_devices, float(scale), bool(zero_others))
-    else:
-        reference.reduce_tensors_(packed.lists, float(scale), bool(zero_others))
+    _run("reduce_tensors_", packed.entries,
+         lambda: torch.ops.vlseq_ext.reduce_tensors_(packed.flat, packed.num_devices, float(scale), bool(zero_others)),
+         lambda: reference.reduce_tensors_(packed.lists, float(scale), bool(zero_others)))
 
 
 def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tensor]]) -> None:
     """dst_lists[d][p] <- srcs[p] for every destination list: one kernel on the source device
-    stores into every destination over the peer path."""
-    srcs = _non_empty(srcs, "broadcast_tensors_", "srcs")
-    lists = [list(lst) for lst in dst_lists]
+    stores into every destination over the peer path. Destinations may not share memory with each
+    other or with a source, except a destination that is its own source."""
+    srcs = _tensor_list(srcs, "broadcast_tensors_", "srcs")
+    if isinstance(dst_lists, Tensor) or not isinstance(dst_lists, Iterable):
+        raise TypeError(f"broadcast_tensors_: dst_lists must be a list of tensor lists, got {_describe(dst_lists)}")
+    lists = [_tensor_list(lst, "broadcast_tensors_", f"dst_lists[{i}]") for i, lst in enumerate(dst_lists)]
     for i, lst in enumerate(lists):
         if len(lst) != len(srcs):
             raise ValueError(f"broadcast_tensors_: dst_lists[{i}] has {len(lst)} tensors but srcs has {len(srcs)}")
     if not lists:
         return
-    if _native():
-        torch.ops.vlseq_ext.broadcast_tensors_(srcs, [t for lst in lists for t in lst])
-    else:
-        reference.broadcast_tensors_(srcs, lists)
+    args = lambda: [*_entries("srcs", srcs), *((f"dst_lists[{d}][{p}]", t, False)  # noqa: E731
+                                                for d, lst in enumerate(lists) for p, t in enumerate(lst))]
+    _run("broadcast_tensors_", args,
+         lambda: torch.ops.vlseq_ext.broadcast_tensors_(srcs, [t for lst in lists for t in lst]),
+         lambda: reference.broadcast_tensors_(srcs, lists))
 
 
 def p2p_status(buffers: Sequence[Tensor]) -> str:
     """Which path all_reduce_ takes for these buffers: "p2p", "copy_engine: <why>", "single" or "cpu"."""
-    buffers = _non_empty(buffers, "p2p_status", "buffers")
-    if not _native():
-        return "reference"
-    return torch.ops.vlseq_ext.p2p_status(buffers)
+    buffers = _tensor_list(buffers, "p2p_status", "buffers")
+    return _run("p2p_status", lambda: _entries("buffers", buffers),
+                lambda: torch.ops.vlseq_ext.p2p_status(buffers), lambda: "reference")
 
 
 def _same_device(op: str, tensors: Sequence[Optional[Tensor]], ref: str, device: torch.device) -> None:

@@ -52,7 +52,7 @@ void all_reduce_cpu(at::TensorList buffers, c10::string_view op, c10::string_vie
 }
 
 void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale, c10::string_view algo) {
-  const int64_t P = check_device_lists("all_reduce_tensors_", tensors, num_devices);
+  const int64_t P = check_device_lists("all_reduce_tensors_", tensors, num_devices, /*one_list_per_device=*/true);
   TORCH_CHECK(parse_algo("all_reduce_tensors_", std::string(algo)) != Algo::kOneShot,
               "all_reduce_tensors_: algo one_shot is for flat buffers (all_reduce_); use auto, root, two_shot or "
               "copy_engine");
@@ -64,7 +64,7 @@ void all_reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double 
 }
 
 void reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others) {
-  const int64_t P = check_device_lists("reduce_tensors_", tensors, num_devices);
+  const int64_t P = check_device_lists("reduce_tensors_", tensors, num_devices, /*one_list_per_device=*/false);
   for (int64_t p = 0; p < P; ++p) {
     std::vector<at::Tensor> group;
     for (int64_t d = 0; d < num_devices; ++d) group.push_back(tensors[d * P + p]);

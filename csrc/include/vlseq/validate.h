@@ -1,5 +1,6 @@
 // Input checks shared by the CPU and CUDA kernels. Every check runs before any write, and every
-// message names the op, the argument and what was wrong.
+// message names the op, the argument and what was wrong. Tensors an op writes may not share memory
+// with anything else it reads or writes (compared by address range, per device, in O(n log n)).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,7 +11,7 @@
 
 namespace vlseq {
 
-// flatten_: returns the total number of elements written.
+// flatten_: returns the total number of elements written. Inputs may overlap each other, not out.
 int64_t check_flatten(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef numels,
                       const at::Tensor& out);
 int64_t check_unflatten(const at::Tensor& flat, at::TensorList tensors);
@@ -19,8 +20,10 @@ int64_t check_unflatten(const at::Tensor& flat, at::TensorList tensors);
 void check_device_buffers(const char* op, const char* arg, at::TensorList buffers);
 // "sum" -> false, "mean" -> true.
 bool parse_reduce_op(const char* op, const std::string& name);
-// all_reduce_tensors_ / broadcast_tensors_: device-major lists; returns P (tensors per device).
-int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_devices);
+// all_reduce_tensors_ / reduce_tensors_: device-major lists; returns P (tensors per list). With
+// one_list_per_device, two CUDA lists may not share a device.
+int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_devices, bool one_list_per_device);
+// broadcast_ / broadcast_tensors_: dsts is device-major, len(dsts) a multiple of len(srcs).
 void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts);
 
 }  // namespace vlseq
