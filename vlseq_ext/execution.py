@@ -106,7 +106,7 @@ class DeviceRunner:
     def run(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
         if self.plan == "padded":
             cache = self.padded_graphs[d]
-            with self._on_stream(d, cache.stream):
+            with self._joined(d, cache.stream), torch.cuda.stream(cache.stream):
                 cache.run(xs, self._stack(d, ys, self.output_shape[-1]))
         elif self.plan == "packed" and len(xs) > 1:
             self._eager(d, 0, xs, ys)
@@ -117,15 +117,15 @@ class DeviceRunner:
         return stack_targets(ys, out_dim).to(self.devices[d], non_blocking=True)
 
     @contextlib.contextmanager
-    def _on_stream(self, d: int, stream):
-        """Run on a side stream that starts after, and ends before, the device's current stream."""
+    def _joined(self, d: int, stream):
+        """Work queued on the side `stream` inside starts after what the device's current stream
+        holds, and the current stream continues only after it."""
         if stream is None:
             yield
             return
         current = torch.cuda.current_stream(self.devices[d])
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            yield
+        yield
         current.wait_stream(stream)
 
     def _per_sample(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
@@ -134,7 +134,7 @@ class DeviceRunner:
         n = min(len(lanes), len(xs))
         with contextlib.ExitStack() as stack:
             for lane in lanes[:n]:
-                stack.enter_context(self._on_stream_entered(d, lane.stream))
+                stack.enter_context(self._joined(d, lane.stream))
             for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run
                 lane = i % n
                 target = y.reshape(1, -1) if y.is_floating_point() else y.reshape(1)
@@ -145,17 +145,6 @@ class DeviceRunner:
                     self._eager(d, lane, [x], [y])
         if n > 1:
             self.replicas.fold_lanes(d)
-
-    @contextlib.contextmanager
-    def _on_stream_entered(self, d: int, stream):
-        """Like _on_stream, but leaves the current stream current (the caller picks per sample)."""
-        if stream is None:
-            yield
-            return
-        current = torch.cuda.current_stream(self.devices[d])
-        stream.wait_stream(current)
-        yield
-        current.wait_stream(stream)
 
     def _eager(self, d: int, lane: int, xs: List[Tensor], ys: List[Tensor]) -> None:
         """Eager forward + backward of one sample or one packed list on lane `lane` of device d."""
