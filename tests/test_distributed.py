@@ -356,7 +356,7 @@ def test_nccl_two_processes_match_one_process_on_two_gpus(tmp_path):
 
 
 def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
-    from vlseq_ext.distributed import lpt_shard
+    from vlseq_ext.scheduling import lpt_shard
 
     rng = np.random.default_rng(0)
     for n in (12, 11, 5, 1):
@@ -444,12 +444,15 @@ def test_single_process_configuration(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(distributed.DistributedError, match="RANK, MASTER_ADDR, MASTER_PORT not set"):
         distributed.init_from_env("gloo")
-    assert distributed.default_local_devices() is None  # one process per machine: every GPU
+    from vlseq_ext.devices import local_share
+    from vlseq_ext.scheduling import sample_length
+
+    assert local_share() is None  # one process per machine: every GPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     if not torch.cuda.is_available():
-        assert distributed.default_local_devices() == ["cpu"]
-    assert distributed.sample_length(torch.zeros(1, 7, 3)) == distributed.sample_length(np.zeros((7, 3))) == 7
+        assert local_share() == [torch.device("cpu")]
+    assert sample_length(torch.zeros(1, 7, 3)) == sample_length(np.zeros((7, 3))) == 7
 
 
 # ------------------------------------------------------------------------------------------------
