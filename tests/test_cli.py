@@ -1,5 +1,10 @@
 """vlseq-train end to end on CPU (two CPU replicas): the demo, metrics and plot, exact resume,
-crash-safe checkpoints, signals, bad input, and JapaneseVowels through aeon."""
+crash-safe checkpoints, signals, bad input, and JapaneseVowels through aeon. Reliability: nothing the
+user had is lost and nothing goes silently wrong (a reused run folder, data beyond float32, huge
+class labels, absurd numbers and sizes, a full disk, a diverging run, impossible output paths,
+foreign or corrupt checkpoints), each a one-line error with exit code 2."""
+import errno
+import importlib.util
 import json
 import os
 import random
@@ -20,11 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 # A small, fast configuration: a tiny model on short synthetic runs.
 SMALL = ["--devices", "cpu:2", "--hidden", "8", "--synthetic-samples", "64", "--quiet"]
 
-try:
-    import aeon  # noqa: F401
-    HAS_AEON = True
-except ImportError:
-    HAS_AEON = False
+HAS_AEON = importlib.util.find_spec("aeon") is not None
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
+needs_mpl = pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (pip install 'vlseq_ext[plot]')")
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +76,10 @@ def test_demo_loss_falls_and_writes_metrics_and_plot(tmp_path, capsys):
     assert {"train_loss", "val_loss", "grad_norm", "samples_per_s", "skipped_steps"} <= set(epoch[0])
     final = [r for r in lines if r["type"] == "val"]
     assert len(final) == 1 and final[0]["step"] == 200 and final[0]["val_loss"] < 0.5  # the target's variance is ~1
-    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if HAS_MPL:
+        assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "skipped: matplotlib is not installed" in out and not (tmp_path / "run" / "loss.png").exists()
     assert "vlseq-train summary" in out and "LSTM(36 -> 64) + Linear(64 -> 1), 26,177 parameters" in out
     assert checkpoint.load_checkpoint(tmp_path / "run")["run"]["step"] == 200
 
@@ -81,7 +88,7 @@ def test_resume_repeats_the_uninterrupted_losses_exactly(tmp_path, capsys):
     # 40 steps cross the epoch boundary (29 steps per epoch); the resumed run stops twice on the way.
     common = [*SMALL, "--deterministic", "--metrics"]
     rc, _, err = run(capsys, *common, tmp_path / "straight.jsonl", "--max-steps", 40,
-                     "--checkpoint-dir", tmp_path / "a", "--plot", tmp_path / "a.png")
+                     "--checkpoint-dir", tmp_path / "a", *(["--plot", tmp_path / "a.png"] if HAS_MPL else []))
     assert rc == 0, err
     rc, _, err = run(capsys, *common, tmp_path / "resumed.jsonl", "--max-steps", 10, "--checkpoint-dir", tmp_path / "b")
     assert rc == 0, err
@@ -318,7 +325,7 @@ def test_console_entry_exit_code_and_help(tmp_path):
         assert opt in helptext
 
 
-@pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
+@needs_aeon
 def test_japanese_vowels_classifier_beats_chance(tmp_path, capsys):
     rc, out, err = run(capsys, "--data", "japanese_vowels", "--devices", "cpu:2", "--hidden", 16, "--epochs", 2,
                        "--lr", 1e-2, "--checkpoint-dir", tmp_path, "--quiet")
@@ -326,3 +333,275 @@ def test_japanese_vowels_classifier_beats_chance(tmp_path, capsys):
     epochs = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["type"] == "epoch"]
     assert len(epochs) == 2 and epochs[-1]["val_accuracy"] > 0.4  # chance: 1/9
     assert "val accuracy" in out and "(9 classes)" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# reliability: nothing lost, nothing silently wrong
+
+
+def one_line_error(rc, err, *expect, during_training=False):
+    """Exit code 2 and one error line (the last line, after the start-up lines when it happened during
+    training; else the only one)."""
+    assert rc == 2, err
+    assert "Traceback" not in err and err.count("error: ") == 1 and err.endswith("\n"), err
+    line = err.splitlines()[-1]
+    assert line.startswith("vlseq-train: error: ") and (during_training or err.count("\n") == 1), err
+    for e in expect:
+        assert str(e) in err, err
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def test_a_new_run_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
+    run_dir = tmp_path / "old"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", run_dir)
+    assert rc == 0, err
+    before = snapshot(run_dir)
+    rc, out, err = run(capsys, *SMALL, "--max-steps", 4, "--checkpoint-dir", run_dir)
+    one_line_error(rc, err, f"--checkpoint-dir {run_dir} already holds a run", "last.pt", "metrics.jsonl",
+                   f"--resume {run_dir}", "another --checkpoint-dir", "--overwrite")
+    assert snapshot(run_dir) == before  # byte for byte
+    # a folder with only the metrics of an earlier run, and a --metrics file of an earlier run
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "metrics.jsonl").write_bytes(before["metrics.jsonl"])
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "m")
+    one_line_error(rc, err, "already holds a run", "--overwrite")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "new",
+                     "--metrics", run_dir / "metrics.jsonl")
+    one_line_error(rc, err, f"--metrics {run_dir / 'metrics.jsonl'} already exists", "--overwrite")
+    assert snapshot(run_dir) == before and not (tmp_path / "new").exists()
+    rc, _, err = run(capsys, "--resume", run_dir, "--overwrite")
+    one_line_error(rc, err, "--overwrite starts a new run and --resume continues one")
+    # --overwrite: a new run replaces the old one; --resume continues it
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", run_dir, "--overwrite")
+    assert rc == 0 and "resuming" not in err, err
+    assert checkpoint.load_checkpoint(run_dir)["run"]["step"] == 3 and sorted(steps(run_dir / "metrics.jsonl")) == [1, 2, 3]
+    rc, _, err = run(capsys, "--resume", run_dir, "--max-steps", 4)
+    assert rc == 0 and "resuming at step 3" in err, err
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr=-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number > 0, got nan"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number > 0, got inf"),
+    (["--clip-grad", "0"], "--clip-grad must be a finite number > 0"),
+    (["--val-fraction", "1"], "--val-fraction must be in [0, 1), got 1.0"),
+    (["--val-fraction", "-0.5"], "--val-fraction must be in [0, 1)"),
+    (["--val-fraction", "nan"], "--val-fraction must be in [0, 1), got nan"),
+    (["--log-interval", "0"], "--log-interval must be a finite number > 0"),
+    (["--log-interval", "inf"], "--log-interval must be a finite number > 0, got inf"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--hidden", "0"], "--hidden must be >= 1"),
+    (["--layers", "-2"], "--layers must be >= 1"),
+    (["--samples-per-device", "0"], "--samples-per-device must be >= 1"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--max-steps", "-5"], "--max-steps must be >= 1"),
+    (["--synthetic-samples", "0"], "--synthetic-samples must be >= 1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+    (["--hidden", "10000000"], "--hidden 10000000 --layers 1: the model would have 400,001,530,000,001 parameters"),
+    (["--hidden", "20000", "--layers", "2"], "the limit is 2,147,483,648"),
+    (["--synthetic-samples", str(10 ** 12)], "--synthetic-samples 1000000000000: building the synthetic set needs "
+                                             "about 118.8 PB of memory"),
+])
+def test_numbers_that_make_no_sense_are_refused_up_front(tmp_path, capsys, argv, expect):
+    rc, _, err = run(capsys, *SMALL, *argv, "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, expect)
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_size_is_checked_with_the_data_shape(tmp_path, capsys):
+    # 4 features but 300,000 regression outputs: the head alone exceeds the limit at --hidden 8000
+    data.save_ragged(tmp_path / "wide.npz", [np.ones((2, 4), np.float32)] * 2, np.zeros((2, 300_000), np.float32))
+    rc, _, err = run(capsys, "--data", tmp_path / "wide.npz", *SMALL[:2], "--hidden", 8000, "--val-fraction", 0,
+                     "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, f"{tmp_path / 'wide.npz'} (4 features, 300000 outputs) with --hidden 8000 --layers 1: "
+                            "the model would have")
+
+
+def float64_npz(tmp_path, value=1e39, where="values"):
+    seqs = [np.ones((n, 3)) for n in (3, 5, 2)]
+    seqs[1][2, 1] = value if where == "values" else 1.0
+    targets = np.zeros(3)
+    if where == "targets":
+        targets[2] = value
+    path = tmp_path / f"f64-{where}.npz"
+    np.savez(path, values=np.concatenate(seqs), offsets=np.array([0, 3, 8, 10]), targets=targets)
+    return path
+
+
+def test_float64_values_that_overflow_float32_are_refused_or_dropped(tmp_path, capsys):
+    for where, at in (("values", "at step 2"), ("targets", "in its target")):
+        path = float64_npz(tmp_path, where=where)
+        rc, _, err = run(capsys, "--data", path, *SMALL, "--checkpoint-dir", tmp_path / "run")
+        one_line_error(rc, err, str(path), f"the value 1e+39 {at}, which overflows float32", "--drop-nonfinite")
+    rc, _, err = run(capsys, "--data", float64_npz(tmp_path), "--drop-nonfinite", *SMALL, "--val-fraction", 0,
+                     "--max-steps", 2, "--checkpoint-dir", tmp_path / "run")
+    assert rc == 0 and "dropped 1 of 3 samples with NaN/inf values or values that overflow float32" in err, err
+
+
+def test_a_huge_class_label_is_refused(tmp_path, capsys):
+    seqs = [np.ones((3, 2), np.float32)] * 4
+    data.save_ragged(tmp_path / "ids.npz", seqs, np.array([0, 1, 1_000_000_000, 1]))
+    rc, _, err = run(capsys, "--data", tmp_path / "ids.npz", *SMALL, "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, "sample 2 has class label 1000000000, far beyond the 3 distinct labels",
+                   "remap the labels to 0..2")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_single_class_trains_with_a_warning(tmp_path, capsys):
+    data.save_ragged(tmp_path / "one.npz", [np.ones((3, 2), np.float32)] * 4, np.zeros(4, np.int64))
+    rc, _, err = run(capsys, "--data", tmp_path / "one.npz", *SMALL, "--val-fraction", 0, "--max-steps", 1,
+                     "--checkpoint-dir", tmp_path / "run")
+    assert rc == 0 and "warning: " in err and "every training sample has class 0" in err, err
+
+
+def test_metrics_on_a_full_disk_is_one_line(tmp_path, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full (Linux only)")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", tmp_path / "run", "--metrics", "/dev/full")
+    one_line_error(rc, err, "cannot write the metrics to /dev/full: No space left on device", during_training=True)
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_a_checkpoint_on_a_full_disk_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+    real, calls = checkpoint._write_bytes, []
+
+    def full_after_the_first(f, payload):
+        calls.append(1)
+        if len(calls) > 1:
+            f.write(payload[:100])  # a partial write, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, payload)
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", full_after_the_first)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 6, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path)
+    one_line_error(rc, err, f"cannot save the checkpoint of step 4 to {tmp_path / 'last.pt'}: No space left on device",
+                   "the checkpoint of step 2 there is kept", during_training=True)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(tmp_path)["run"]["step"] == 2
+    rc, _, err = run(capsys, "--resume", tmp_path, "--max-steps", 6)
+    assert rc == 0 and "resuming at step 2" in err, err
+    assert sorted(steps(tmp_path / "metrics.jsonl")) == list(range(1, 7))
+
+
+def test_a_diverging_run_keeps_its_summary_and_plots_what_is_finite(tmp_path, capsys):
+    rc, out, err = run(capsys, *SMALL, "--lr", "1e30", "--max-steps", 30, "--checkpoint-dir", tmp_path)
+    assert rc == 0, err
+    assert "vlseq-train summary" in out and "skipped as non-finite" in out
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("loss") is None or r.get("val_loss") is None for r in lines)  # it did diverge
+    if HAS_MPL:
+        assert "non-finite loss value" in out and "not shown" in out and (tmp_path / "loss.png").stat().st_size > 0
+
+
+@needs_mpl
+def test_write_plot_with_non_finite_and_huge_values(tmp_path):
+    history = {"step": list(range(1, 9)), "loss": [1.0, 0.5, float("inf"), float("nan"), 3e38, 0.2, 0.1, 0.1],
+               "val_step": [4, 8], "val_loss": [float("inf"), 0.3], "val_accuracy": [None, None], "epoch_loss": []}
+    note = cli.write_plot(tmp_path / "p.svg", history, "diverging")
+    assert note == f"{tmp_path / 'p.svg'} (3 non-finite loss values not shown)" and (tmp_path / "p.svg").exists()
+    nothing = {**history, "loss": [float("nan")] * 8, "val_loss": [float("inf")] * 2}
+    assert "10 non-finite" in cli.write_plot(tmp_path / "q.png", nothing, "all bad")
+
+
+def test_a_failing_plot_is_one_line_of_the_summary(tmp_path, capsys, monkeypatch):
+    from vlseq_ext.cli import training as train_mod
+
+    def broken(path, history, title):
+        raise ValueError("Axis limits cannot be NaN or Inf\nmore")
+
+    monkeypatch.setattr(train_mod, "write_plot", broken)
+    monkeypatch.setattr(train_mod, "matplotlib_available", lambda: True)
+    rc, out, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path)
+    assert rc == 0, err
+    assert "plot                            not written: ValueError: Axis limits cannot be NaN or Inf\n" in out
+
+
+def test_ctrl_c_during_the_final_plot_tells_the_truth(tmp_path, capsys, monkeypatch):
+    from vlseq_ext.cli import training as train_mod
+
+    def interrupted(path, history, title):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "write_plot", interrupted)
+    monkeypatch.setattr(train_mod, "matplotlib_available", lambda: True)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path)
+    assert rc == 130 and f"interrupted: exiting at once; the checkpoint of step 2 is in {tmp_path / 'last.pt'}" in err
+    assert "without saving" not in err and checkpoint.load_checkpoint(tmp_path)["run"]["step"] == 2
+
+
+@pytest.mark.parametrize("case", ["file", "under_a_file", "proc", "metrics_dir", "plot_ext", "plot_no_ext"])
+def test_impossible_output_paths_are_refused_before_training(tmp_path, capsys, case):
+    (tmp_path / "afile").write_text("x")
+    argv, expect = {
+        "file": (["--checkpoint-dir", tmp_path / "afile"], "is a file, not a directory"),
+        "under_a_file": (["--checkpoint-dir", tmp_path / "afile" / "run"],
+                         f"cannot be created: {tmp_path / 'afile'} is a file, not a directory"),
+        "proc": (["--checkpoint-dir", "/proc/vlseq-test/run"], "--checkpoint-dir /proc/vlseq-test/run: cannot be created"),
+        "metrics_dir": (["--checkpoint-dir", tmp_path / "run", "--metrics", tmp_path], "is a directory, not a file"),
+        "plot_ext": (["--checkpoint-dir", tmp_path / "run", "--plot", tmp_path / "loss.foo"],
+                     "unknown extension .foo (use one of: "),
+        "plot_no_ext": (["--checkpoint-dir", tmp_path / "run", "--plot", tmp_path / "loss"], "no file extension"),
+    }[case]
+    if case.startswith("plot") and not HAS_MPL:
+        pytest.skip("matplotlib is not installed (pip install 'vlseq_ext[plot]')")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, *argv)
+    one_line_error(rc, err, expect)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "x"
+    assert "png" in err or not case.startswith("plot_ext")
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("no_data", "not a vlseq checkpoint: no 'data' entry"),
+    ("hidden_changed", "inconsistent: the saved configuration (lstm, 36 features, hidden 16, layers 1, 1 outputs) "
+                       "gives lstm.weight_ih_l0 the shape (64, 36), the saved weights have (32, 36)"),
+    ("truncated", "truncated or corrupt"),
+    ("empty", "truncated or corrupt: the file is empty (0 bytes)"),
+    ("random", "truncated or corrupt"),
+    ("number", "not a vlseq checkpoint: it holds a int"),
+    ("state_dict", "not a vlseq checkpoint: a model state_dict, no 'config'"),
+])
+def test_foreign_or_broken_checkpoints_on_resume(tmp_path, capsys, case, expect):
+    if not hasattr(test_foreign_or_broken_checkpoints_on_resume, "good"):
+        rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "good")
+        assert rc == 0, err
+    good = (tmp_path / "good" / "last.pt").read_bytes()
+    ck = checkpoint.load_checkpoint(tmp_path / "good")
+    path = tmp_path / "bad" / "last.pt"
+    path.parent.mkdir()
+    if case == "no_data":
+        del ck["data"]
+        torch.save(ck, path)
+    elif case == "hidden_changed":
+        ck["config"]["hidden"] = 16
+        torch.save(ck, path)
+    elif case == "truncated":
+        path.write_bytes(good[:len(good) // 2])
+    elif case == "empty":
+        path.write_bytes(b"")
+    elif case == "random":
+        path.write_bytes(np.random.default_rng(0).bytes(5000))
+    elif case == "number":
+        torch.save(5, path)
+    elif case == "state_dict":
+        torch.save(ck["model"], path)
+    before = path.read_bytes()
+    rc, _, err = run(capsys, "--resume", path.parent, "--max-steps", 4)
+    one_line_error(rc, err, f"--resume: {path}: ", expect)
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "device"])
+def test_data_that_is_not_a_file_says_what_it_is(tmp_path, capsys, kind):
+    path = tmp_path if kind == "directory" else Path("/dev/null")
+    if not path.exists():
+        pytest.skip("no /dev/null")
+    rc, _, err = run(capsys, "--data", path, *SMALL, "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, str(path), "is a directory" if kind == "directory" else "is not a regular file")
+    assert "no such file" not in err

@@ -1,5 +1,9 @@
-"""vlseq_ext.data: ragged .npz round trip and validation, synthetic data, .ts loading through aeon,
-and the resumable length-bucketed sampler."""
+"""vlseq_ext.data: ragged .npz round trip and validation (after the cast to float32, class labels,
+prediction-only files), synthetic data, .ts loading through aeon, and the resumable length-bucketed
+samplers."""
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -7,11 +11,8 @@ import torch
 from vlseq_ext import data
 from vlseq_ext.data import DataError, LengthBucketSampler
 
-try:
-    import aeon  # noqa: F401
-    HAS_AEON = True
-except ImportError:
-    HAS_AEON = False
+HAS_AEON = importlib.util.find_spec("aeon") is not None
+needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
 
 
 def ragged(n=5, d=3, seed=0):
@@ -216,7 +217,7 @@ def test_sampler_stops_iterating_when_the_epoch_changes():
 # .ts through aeon
 
 
-@pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
+@needs_aeon
 def test_japanese_vowels_ts_unequal_length():
     train, test = data.japanese_vowels()
     assert (len(train), len(test)) == (270, 370)
@@ -229,7 +230,7 @@ def test_japanese_vowels_ts_unequal_length():
     assert abs(x[0, 0].item() - 1.860936) < 1e-6  # (time, channel) layout, not aeon's (channel, time)
 
 
-@pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
+@needs_aeon
 def test_ts_errors(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         data.load_ts(tmp_path / "missing.ts")
@@ -244,3 +245,112 @@ def test_ts_errors(tmp_path):
         data.load_ts(nan)
     ds = data.load_ts(nan, drop_nonfinite=True)
     assert ds.dropped == 1 and ds.lengths.tolist() == [3, 2] and ds.output_dim == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# checked after the cast to float32; class labels; targets; what --data points at
+
+
+@pytest.mark.parametrize("where", ["values", "targets"])
+def test_float64_beyond_float32_is_caught_after_the_cast(tmp_path, where):
+    a = good_arrays()
+    a["values"], a["targets"] = a["values"].astype(np.float64), a["targets"].astype(np.float64)
+    if where == "values":
+        a["values"][a["offsets"][2] + 1, 2] = -1e39  # sample 2, step 1: finite in float64, -inf in float32
+    else:
+        a["targets"][4] = 5e38
+    path = write_npz(tmp_path / "f64.npz", **a)
+    with pytest.raises(DataError) as err:
+        data.load_ragged(path)
+    msg = str(err.value)
+    at = "sample 2 has the value -1e+39 at step 1" if where == "values" else "sample 4 has the value 5e+38 in its target"
+    assert str(path) in msg and at in msg and "overflows float32" in msg and "--drop-nonfinite" in msg, msg
+    ds = data.load_ragged(path, drop_nonfinite=True)
+    assert ds.dropped == 1 and len(ds) == 4 and torch.isfinite(ds.values).all() and torch.isfinite(ds.targets).all()
+    b = good_arrays()
+    b["values"], b["targets"] = b["values"].astype(np.float64), b["targets"].astype(np.float64)
+    b["values"][0, 0], b["targets"][1] = 3e38, -3e38  # large but representable in float32: fine
+    ok = data.load_ragged(write_npz(tmp_path / "ok.npz", **b))
+    assert ok.dropped == 0 and ok.values.dtype == torch.float32 and ok.values[0, 0].item() == pytest.approx(3e38)
+
+
+def test_class_labels_far_beyond_the_number_of_classes_are_refused(tmp_path):
+    a = good_arrays()
+    for labels, expect in ((np.array([0, 1, 1_000_000_000, 1, 0]), "sample 2 has class label 1000000000, far beyond "
+                                                                    "the 3 distinct labels"),
+                           (np.array([0, 1, 2, 3, 150]), "sample 4 has class label 150, far beyond the 5"),
+                           (np.array([0.0, 1.0, 1e39, 1.0, 0.0]), "sample 2 has class label 1e+39")):
+        path = write_npz(tmp_path / "ids.npz", **{**a, "targets": labels})
+        with pytest.raises(DataError, match="remap the labels to 0..") as err:
+            data.load_ragged(path, task="classification")
+        assert expect in str(err.value), err.value
+    # many classes, used densely, are fine: 300 labels among 300 classes
+    seqs = [np.ones((2, 3), np.float32)] * 300
+    data.save_ragged(tmp_path / "many.npz", seqs, np.arange(300))
+    assert data.load_ragged(tmp_path / "many.npz").output_dim == 300
+
+
+def test_targets_without_values_per_sample(tmp_path):
+    a = good_arrays()
+    path = write_npz(tmp_path / "t0.npz", **{**a, "targets": np.zeros((5, 0), np.float32)})
+    with pytest.raises(DataError, match=r"'targets' has shape \(5, 0\): no target values per sample"):
+        data.load_ragged(path)
+
+
+def test_prediction_files_may_lack_targets(tmp_path):
+    seqs = ragged()
+    data.save_ragged(tmp_path / "x.npz", seqs)  # no targets
+    with pytest.raises(DataError, match="missing array\\(s\\) targets"):
+        data.load_ragged(tmp_path / "x.npz")  # training needs them
+    ds = data.load_ragged(tmp_path / "x.npz", task="classification", targets_required=False, num_classes=4)
+    assert not ds.has_targets and (ds.task, ds.output_dim, len(ds)) == ("classification", 4, 5)
+    assert torch.equal(ds[2][0], torch.from_numpy(seqs[2]))
+    with pytest.raises(DataError, match="no task to predict"):
+        data.load_ragged(tmp_path / "x.npz", targets_required=False)
+    data.save_ragged(tmp_path / "y.npz", seqs, np.array([0, 1, 5, 1, 0]))
+    with pytest.raises(DataError, match="sample 2 has class label 5, but the model has 4 classes"):
+        data.load_ragged(tmp_path / "y.npz", task="classification", targets_required=False, num_classes=4)
+    assert data.load_ragged(tmp_path / "y.npz", targets_required=False).has_targets
+
+
+def test_data_paths_that_are_not_files(tmp_path):
+    with pytest.raises(DataError, match="is a directory, not a data file"):
+        data.open_dataset(str(tmp_path))
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(DataError, match="d.npz: is a directory"):
+        data.open_dataset(str(tmp_path / "d.npz"))
+    if Path("/dev/null").exists():
+        with pytest.raises(DataError, match="/dev/null: is not a regular file"):
+            data.open_dataset("/dev/null")
+    with pytest.raises(DataError, match="no such file"):
+        data.open_dataset(str(tmp_path / "nope.npz"))
+
+
+def test_distributed_sampler_lives_next_to_the_bucket_sampler():
+    s = data.DistributedLengthSampler(np.arange(1, 21), 2, 2)
+    assert isinstance(s, LengthBucketSampler) and s.batch_size == 4 and len(s) == 5
+
+
+@needs_aeon
+def test_ts_messages_speak_ts(tmp_path):
+    headerless = tmp_path / "h.ts"
+    headerless.write_text("1,2,3:a\n4,5,6:b\n")
+    with pytest.raises(DataError) as err:
+        data.load_ts(headerless)
+    assert "no @data line" in str(err.value) and "offsets" not in str(err.value)
+    empty = tmp_path / "e.ts"
+    empty.write_text("@problemName x\n@univariate true\n@classLabel true a b\n@data\n")
+    with pytest.raises(DataError, match="no series after the @data line"):
+        data.load_ts(empty)
+    unknown = tmp_path / "u.ts"
+    unknown.write_text("@problemName x\n@univariate true\n@classLabel true a b\n@data\n1,2,3:a\n4,5,6:c\n")
+    with pytest.raises(DataError) as err:
+        data.load_ts(unknown)
+    assert "sample 1 has label 'c', not one of @classLabel ['a', 'b']" in str(err.value) and "np.str_" not in str(err.value)
+    # prediction: no labels at all, or labels mapped to the trained model's classes (in its order)
+    bare = tmp_path / "b.ts"
+    bare.write_text("@problemName x\n@univariate true\n@equalLength false\n@classLabel false\n@data\n1,2,3\n4,5,6,7\n")
+    ds = data.load_ts(bare, task="regression", targets_required=False)
+    assert not ds.has_targets and ds.lengths.tolist() == [3, 4]
+    ds = data.load_ts(unknown, targets_required=False, class_names=["c", "a"])
+    assert ds.targets.tolist() == [1, 0] and ds.output_dim == 2

@@ -168,6 +168,11 @@ def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
     size = found.stat().st_size
     if size == 0:
         raise CheckpointError(f"{found}: truncated or corrupt: the file is empty (0 bytes)")
+    with open(found, "rb") as fh:
+        head = fh.read(4)
+    if head[:4] != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save writes a zip archive (a pickle long ago)
+        raise CheckpointError(f"{found}: truncated or corrupt, or another kind of file: {size} bytes without the zip "
+                              "(or pickle) header of a torch checkpoint")
     try:
         ckpt = torch.load(found, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:

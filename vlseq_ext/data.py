@@ -222,15 +222,16 @@ def _check_labels(targets: np.ndarray, name: str, class_names: Optional[List[str
         return len(class_names)
     i = int(np.argmax(targets))
     top = targets[i].item()
+    label = f"{int(top)}" if abs(top) < 1e15 else f"{top:.4g}"
     if num_classes is not None:
         if top >= num_classes:
-            raise DataError(f"{name}: sample {i} has class label {top:.0f}, but the model has {num_classes} classes "
+            raise DataError(f"{name}: sample {i} has class label {label}, but the model has {num_classes} classes "
                             f"(0..{num_classes - 1})")
         return num_classes
     distinct = len(np.unique(targets))
     if top > MAX_CLASS_LABEL or top >= 10 * distinct + 100:
-        raise DataError(f"{name}: sample {i} has class label {top:.0f}, far beyond the {distinct} distinct labels: "
-                        f"the model would need {top:.0f} + 1 outputs; remap the labels to 0..{distinct - 1} "
+        raise DataError(f"{name}: sample {i} has class label {label}, far beyond the {distinct} distinct labels: "
+                        f"the model would need {label} + 1 outputs; remap the labels to 0..{distinct - 1} "
                         "(e.g. np.unique(labels, return_inverse=True)[1])")
     return int(top) + 1
 

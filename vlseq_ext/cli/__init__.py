@@ -7,7 +7,7 @@ and `vlseq-predict --help`. `python -m vlseq_ext [train] ...` is vlseq-train, `p
 predict ...` is vlseq-predict.
 
 Modules: config (options, defaults, the run's configuration), checks (what is refused before
-anything starts), run (building, restoring and saving a run), train (the training loop's callbacks,
+anything starts), run (building, restoring and saving a run), training (the training loop's callbacks,
 signals, plot and summary), reporting (progress, metrics, plot, summary), predict (vlseq-predict).
 
 Exit codes: 0 done; 2 bad input or configuration (one line on stderr: missing or corrupt files,
@@ -35,7 +35,7 @@ from .checks import CLIError
 from .config import DEFAULTS, PROG, build_parser, resolve_config
 from .reporting import Reporter, RunState, matplotlib_available, open_metrics, write_plot
 from .run import Run, evaluate_split
-from .train import cpu_threads, deterministic_mode, train
+from .training import cpu_threads, deterministic_mode, train
 
 __all__ = ["main", "train_main", "CLIError", "PROG", "DEFAULTS", "build_parser", "resolve_config", "Run",
            "evaluate_split", "Reporter", "RunState", "open_metrics", "matplotlib_available", "write_plot",

@@ -30,7 +30,10 @@ def _flag(key: str) -> str:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e6:,.1f} MB"
 
 
 def check_numbers(cfg: Dict[str, Any]) -> None:
@@ -119,7 +122,7 @@ def check_dir(path: Path, flag: str) -> None:
     try:
         path.mkdir(parents=True)
     except OSError as exc:
-        raise CLIError(f"{flag} {path}: cannot be created: {exc.strerror or exc}") from None
+        raise CLIError(f"{flag} {path}: cannot be created in {p}: {exc.strerror or exc}") from None
     for d in missing:  # deepest first: leave the file system as it was
         try:
             d.rmdir()
