@@ -11,8 +11,9 @@ import torch
 
 from vlseq_ext.bench import sweep
 from vlseq_ext.bench.__main__ import bench_devices
-from vlseq_ext.bench.baselines import run_ddp
-from vlseq_ext.bench.report import Results, evaluate_targets, validate, write_outputs
+from vlseq_ext.bench.processes import run_ddp
+from vlseq_ext.bench.report import evaluate_targets, validate, write_outputs
+from vlseq_ext.bench.results import Results
 from vlseq_ext.bench.timing import stats, time_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,13 +167,17 @@ def test_time_loop_and_stats():
     assert stats([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
 
 
+def _two_gpu_results(suite: str) -> Results:
+    """Empty Results with the meta of a `--suite suite` run on 2 x H200."""
+    return Results({"date": "d", "command": "vlseq-bench", "argv": [], "quick": False, "suite": suite,
+                    "devices": ["cuda:0", "cuda:1"], "device_type": "cuda", "num_devices": 2, "gpu_count": 2,
+                    "gpu_names": ["NVIDIA H200"] * 2, "peer_access": [[True, True], [True, True]], "torch": "2.11",
+                    "cuda": "13.0", "cudnn": 9, "nccl": "2.27", "driver": "580"})
+
+
 def _gpu_shaped_results() -> Results:
-    meta = {"date": "d", "command": "vlseq-bench", "argv": [], "quick": False, "suite": "all",
-            "devices": ["cuda:0", "cuda:1"], "device_type": "cuda", "num_devices": 2, "gpu_count": 2,
-            "gpu_names": ["NVIDIA H200"] * 2, "peer_access": [[True, True], [True, True]], "torch": "2.11",
-            "cuda": "13.0", "cudnn": 9, "nccl": "2.27", "driver": "580"}
-    r = Results(meta)
-    r.set("merge.devices", meta["devices"])
+    r = _two_gpu_results("all")
+    r.set("merge.devices", r.data["meta"]["devices"])
     r.set("merge.seed_model", {"numel": 26177, "tensors": 6, "bytes": 104708, "min_merges_per_repeat": 500})
     for name, us in {"seed_style": 248.0, "cat_nccl": 59.0, "vlseq": 12.0, "ddp_nccl": 40.0}.items():
         r.record("merge.seed_model.us_per_merge", name, [us, us * 0.9, us * 1.1])
@@ -426,12 +431,8 @@ def test_one_sample_model_is_seq_model_that_takes_one_sample():
 
 
 def _sweep_results() -> Results:
-    meta = {"date": "d", "command": "vlseq-bench", "argv": [], "quick": False, "suite": "sweep",
-            "devices": ["cuda:0", "cuda:1"], "device_type": "cuda", "num_devices": 2, "gpu_count": 2,
-            "gpu_names": ["NVIDIA H200"] * 2, "peer_access": [[True, True], [True, True]], "torch": "2.11",
-            "cuda": "13.0", "cudnn": 9, "nccl": "2.27", "driver": "580"}
-    r = Results(meta)
-    r.set("train.sweep_info", {"devices": meta["devices"], "ddp_method": "ddp_nccl", "pool_samples": 16,
+    r = _two_gpu_results("sweep")
+    r.set("train.sweep_info", {"devices": r.data["meta"]["devices"], "ddp_method": "ddp_nccl", "pool_samples": 16,
                                "lengths": [50, 500], "optimizer": {"vlseq": "Adam(lr=1e-3, fused=True)"}})
     for name, form, k, sps in (
             ("list_lstm_h64_l1_k1", "list", 1, {"vlseq": 4000.0, "vlseq_1gpu": 2000.0, "vlseq_mp": 3000.0,

@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from ..devices import parse_devices
 from . import diag, flatten, merge, sweep, train
-from .baselines import run_ddp
-from .report import Results, Skip, Task, collect_meta, write_outputs
+from .processes import run_ddp
+from .report import collect_meta, write_outputs
+from .results import Results, Skip, Task
 from .timing import Budget
 
 TASK_STALL_S = 180  # print every thread's stack when one task runs longer than this

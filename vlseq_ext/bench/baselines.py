@@ -1,5 +1,6 @@
 """The training loops we compare against (and our trainer, wrapped the same way), the synthetic
-data they share, and the DDP worker that runs inside spawned processes.
+data they share, and the DDP jobs (merge_seed, merge_flat, train) that the worker processes of
+vlseq_ext.bench.processes run.
 
 Every loop is built by a function `build_<method>(make_model, devices, k, pool) -> Loop`; the
 Loop's `step()` runs one optimizer step on `samples_per_step` samples taken in turn from the
@@ -9,13 +10,7 @@ as a DataLoader would hand them over, and each loop moves them itself.
 """
 from __future__ import annotations
 
-import gc
-import json
-import os
-import socket
-import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -25,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import SeqModel
-from .report import Skip
-from .timing import synchronizer, time_loop
+from .results import Skip
+from .timing import time_loop
 
 FEATURES = 36
 MIN_LEN, MAX_LEN = 50, 500
@@ -238,114 +233,9 @@ BUILDERS: Dict[str, Callable[..., Loop]] = {
 
 
 # --------------------------------------------------------------------------------------------
-# torch.distributed: one process per device
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ddp(jobs: List[dict], devices: Sequence[torch.device], timeout_s: float) -> Dict[str, dict]:
-    """Runs `jobs` in len(devices) spawned processes (NCCL on CUDA, gloo on CPU), each job timed
-    inside the processes. Returns {job key: {"times": [per repeat, max over ranks], "setup_s"} or
-    {"error": str} or {"skip": str} (a job that decided, on every rank, not to run)}. A crash or hang
-    (past timeout_s) costs only the jobs that had not finished."""
-    import torch.multiprocessing as mp
-
-    world = len(devices)
-    cuda = devices[0].type == "cuda"
-    backend = "nccl" if cuda else "gloo"
-    ids = [d.index for d in devices] if cuda else [None] * world
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines; inherited by the children
-    failure = ""
-    with tempfile.TemporaryDirectory(prefix="vlseq-bench-ddp-") as tmp:
-        ctx = mp.start_processes(ddp_worker, args=(world, free_port(), backend, ids, jobs, tmp),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    failure = f"DDP processes timed out after {timeout_s:.0f} s"
-                    break
-        except Exception as exc:  # a rank raised or died; ctx.join killed the others
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            failure = f"{type(exc).__name__}: {lines[-1] if lines else exc}"
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        per_rank = []
-        for r in range(world):
-            try:
-                with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                    per_rank.append(json.load(f))
-            except (OSError, ValueError):
-                per_rank.append({})
-    out: Dict[str, dict] = {}
-    for job in jobs:
-        key = job["key"]
-        res = [rk.get(key) for rk in per_rank]
-        errs = [r["error"] for r in res if r and "error" in r]
-        skips = [r["skip"] for r in res if r and "skip" in r]
-        if errs:
-            out[key] = {"error": errs[0]}
-        elif skips:
-            out[key] = {"skip": skips[0]}
-        elif all(r and "times" in r for r in res):
-            out[key] = {"times": [max(ts) for ts in zip(*(r["times"] for r in res))],
-                        "setup_s": max(r.get("setup_s", 0.0) for r in res)}
-        else:
-            out[key] = {"error": failure or "no result from the DDP processes"}
-    return out
-
-
-def ddp_worker(rank: int, world: int, port: int, backend: str, ids: List, jobs: List[dict], out_dir: str) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(ids[rank])
-        dev = torch.device("cuda", ids[rank])
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    dev_sync = synchronizer([dev])
-
-    def agree(n: int) -> int:  # max over ranks
-        flag.fill_(int(n))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-    def sync() -> None:  # all ranks start and stop each timed loop together
-        dev_sync()
-        agree(0)
-        dev_sync()
-
-    results: Dict[str, dict] = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    for job in jobs:
-        try:
-            results[job["key"]] = _ddp_job(job, rank, world, dev, sync, agree)
-        except Exception as exc:
-            tb = traceback.extract_tb(exc.__traceback__)[-1]
-            where = f"rank {rank}, {os.path.basename(tb.filename)}:{tb.lineno}"
-            results[job["key"]] = {"error": f"{type(exc).__name__}: {exc} ({where})"}
-        with open(path + ".tmp", "w") as f:  # after every job, so a later hang loses nothing before it
-            json.dump(results, f)
-        os.replace(path + ".tmp", path)
-        gc.collect()  # a job's models, trainers and CUDA graphs go before the next job's
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -> dict:
+# torch.distributed jobs, run in the worker processes (vlseq_ext.bench.processes spawns them)
+def ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -> dict:
+    """One job of kind merge_seed, merge_flat or train in this rank's process."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -365,9 +255,6 @@ def _ddp_job(job: dict, rank: int, world: int, dev: torch.device, sync, agree) -
 
         def fn() -> None:
             dist.all_reduce(buf)
-    elif job["kind"] == "sweep":
-        from .sweep import mp_job
-        return mp_job(job, rank, world, dev, sync, agree)
     elif job["kind"] == "train":
         k = job["k"]
         torch.manual_seed(0)

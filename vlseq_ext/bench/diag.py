@@ -37,7 +37,7 @@ from .. import GradientMerger, ops
 from ..models import SeqModel
 from .baselines import Feeder, make_pool
 from .merge import accepted_algos
-from .report import SIZES, Results, Skip, Task
+from .results import SIZES, Results, Skip, Task
 from .timing import Budget, synchronizer, time_loop
 
 CROSSOVER = {"64KB": 64 << 10, "256KB": 256 << 10, "1MB": 1 << 20, "4MB": 4 << 20}

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import ops
 from ..models import SeqModel
-from .report import SIZES, Results, Task
+from .results import SIZES, Results, Task
 from .timing import Budget, synchronizer, time_loop
 
 TENSORS = 200  # the many-tensor workload spreads its bytes over this many tensors

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import GradientMerger, ops, reference
 from ..models import SeqModel
-from .report import SIZES, Results, Task
+from .results import SIZES, Results, Task
 from .timing import Budget, stats, synchronizer, time_loop
 
 Grads = List[List[Tensor]]  # grads[d][p]: tensor p of device d

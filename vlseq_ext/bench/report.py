@@ -1,82 +1,20 @@
-"""Results: the recorder every suite writes into, the target checks (docs/design.md, "Targets"), and
-the outputs (bench-results.json, summary.md, PNG plots). The JSON schema is in the package docstring."""
+"""The top layer of vlseq_ext.bench: the machine description, the target checks (docs/design.md,
+"Targets") and the outputs (bench-results.json, summary.md, PNG plots), drawing on the suites' own
+summaries (diag, sweep). The recorder itself (Results) is in results.py. The JSON schema is in the
+package docstring."""
 from __future__ import annotations
 
 import datetime
-import json
-import math
 import os
 import platform
 import subprocess
 import sys
-import traceback
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .timing import stats
-
-SCHEMA_VERSION = 1
-SIZES = {"1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20, "256MB": 256 << 20}
-
-
-class Skip(Exception):
-    """A method that does not apply to this machine: recorded under `skipped` with the reason."""
-
-
-class Task(NamedTuple):
-    section: str  # "merge", "flatten", "train" or "ddp": per-section timings
-    key: str      # where errors and skips are recorded, e.g. "merge.seed_model.vlseq"
-    fn: Callable[[], None]
-
-
-class Results:
-    """Nested dict of results; paths are dot-separated ("merge.seed_model.us_per_merge")."""
-
-    def __init__(self, meta: Dict[str, Any]) -> None:
-        self.data: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "meta": meta, "merge": {}, "flatten": {},
-                                     "diag": {}, "train": {}, "targets": {}, "skipped": {}, "errors": {},
-                                     "timings_s": {}}
-
-    def node(self, path: str) -> Dict[str, Any]:
-        d = self.data
-        for part in path.split("."):
-            d = d.setdefault(part, {})
-        return d
-
-    def get(self, path: str, default: Any = None) -> Any:
-        v = _lookup(self.data, path)
-        return default if v is None else v
-
-    def set(self, path: str, value: Any) -> None:
-        head, _, last = path.rpartition(".")
-        (self.node(head) if head else self.data)[last] = value
-
-    def record(self, path: str, method: str, values: Sequence[float]) -> None:
-        """path.method <- median (a plain number); path_spread.method <- {median, min, max, n}."""
-        st = stats(values)
-        self.node(path)[method] = st["median"]
-        self.node(path + "_spread")[method] = st
-
-    def dump(self, out_dir: str) -> str:
-        """Writes out_dir/bench-results.json (atomically: a run killed mid-write keeps the last one)."""
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "bench-results.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(_finite(self.data), f, indent=1, default=str, allow_nan=False)
-        os.replace(path + ".tmp", path)
-        return path
-
-    def skip(self, key: str, reason: str) -> None:
-        self.data["skipped"][key] = reason
-
-    def error(self, key: str, exc: "BaseException | str") -> None:
-        if isinstance(exc, str):
-            self.data["errors"][key] = exc
-            return
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-        self.data["errors"][key] = f"{type(exc).__name__}: {exc}{where}"
+from . import diag, sweep
+from .results import SCHEMA_VERSION, SIZES, Results, lookup
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,8 +141,7 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
         out["M2"]["detail"] += (f"; {100 * m2 / bidir:.1f}% of the copy engines' bidirectional ceiling "
                                 f"({_fmt(bidir)} GB/s per direction, both at once)")
     if res.get("train.sweep_info") is not None:
-        from .sweep import target_summary  # (sweep imports this module)
-        out["W3"] = target_summary(res.data)
+        out["W3"] = sweep.target_summary(res.data)
     return out
 
 
@@ -240,7 +177,6 @@ def markdown(res: Results, plots: Sequence[str] = ()) -> str:
     L += _table(["id", "workload", "target", "status", "measured"],
                 [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
                  for tid, t in d["targets"].items()])
-    from . import diag, sweep  # (both import this module)
     L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + diag.markdown_lines(d) + _train_md(d["train"]) + \
         sweep.markdown_lines(d)
     if d["skipped"]:
@@ -379,8 +315,7 @@ def plot(res: Results, out_dir: str) -> List[str]:
         fig.savefig(os.path.join(out_dir, "train_samples_per_s.png"), dpi=110)
         plt.close(fig)
         written.append("train_samples_per_s.png")
-    from .sweep import plot_heatmap  # (sweep imports this module)
-    heat = plot_heatmap(res.data, out_dir)
+    heat = sweep.plot_heatmap(res.data, out_dir)
     if heat:
         written.append(heat)
     return written
@@ -413,17 +348,6 @@ def write_outputs(res: Results, out_dir: str, log: Callable[[str], None] = print
     return md
 
 
-def _finite(x: Any) -> Any:
-    """NaN/inf -> None, so the file stays strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 # ------------------------------------------------------------------------------------------------
 # schema check: usable on any bench-results.json (tests, CI, the GPU run)
 META_KEYS = ("date", "command", "argv", "quick", "suite", "devices", "device_type", "num_devices", "gpu_count",
@@ -442,7 +366,7 @@ def validate(d: Dict[str, Any]) -> List[str]:
             bad.append(f"{path}: expected a dict of method -> number")
             return
         head, _, last = path.rpartition(".")
-        spread = _lookup(d, head + "." + last + "_spread") or {}
+        spread = lookup(d, head + "." + last + "_spread") or {}
         for m, v in node.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 bad.append(f"{path}.{m}: expected a positive number, got {v!r}")
@@ -510,11 +434,3 @@ def validate(d: Dict[str, Any]) -> List[str]:
         if not all(isinstance(v, str) for v in d[k].values()):
             bad.append(f"{k}: values must be strings")
     return bad
-
-
-def _lookup(d: Dict[str, Any], path: str) -> Any:
-    for part in path.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d

@@ -66,7 +66,7 @@ from torch import nn
 
 from ..models import SeqModel
 from .baselines import MAX_LEN, MIN_LEN, Feeder, Loop, Pool, _adam, _packed_step, make_pool
-from .report import Results, Skip, Task
+from .results import Results, Skip, Task
 from .timing import Budget, synchronizer, time_loop
 
 FORMS = ("list", "one")
@@ -392,7 +392,7 @@ def _record(res: Results, paths: List[str], method: str, sps: List[float], ndev:
 
 
 # ------------------------------------------------------------------------------------------------
-# in the worker processes (one per device; baselines.ddp_worker runs the jobs in order)
+# in the worker processes (one per device; processes.ddp_worker runs the jobs in order)
 _MP_T0: Optional[float] = None  # when this process started its first sweep job
 
 

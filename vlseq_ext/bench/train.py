@@ -15,7 +15,7 @@ import torch
 
 from ..models import SeqModel
 from .baselines import BUILDERS, make_pool
-from .report import Results, Task
+from .results import Results, Task
 from .timing import Budget, synchronizer, time_loop
 
 MODELS = {"seed": {}, "large": {"hidden_dim": 512, "num_layers": 2}}
