@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vlseq_ext import ParallelTrainer, SeqModel  # noqa: E402
-from vlseq_ext.bench.baselines import make_pool, run_ddp  # noqa: E402
+from vlseq_ext.bench.baselines import make_pool  # noqa: E402
+from vlseq_ext.bench.processes import run_ddp  # noqa: E402
 
 CHECKS = {"k1": {"k": 1, "steps": 60, "tail": 1}, "k32": {"k": 32, "steps": 12, "tail": 7}}
 
