@@ -1,12 +1,13 @@
 """Loads the compiled extension once; everything else asks this module whether it is there."""
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import torch
 
 try:
-    from . import _C  # noqa: F401  (importing registers the torch.ops.vlseq_ext ops)
+    importlib.import_module(f"{__package__}._C")  # importing registers the torch.ops.vlseq_ext ops
 
     LOADED = True
     LOAD_ERROR = ""
