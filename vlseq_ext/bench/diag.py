@@ -22,6 +22,9 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
       of the trainer's profiler ranges (vlseq::*), wall time per step and, on GPUs, each device's
       busy time per step. {k<K>: {steps, wall_us_per_step, host_us_per_step: {range: us},
       busy_us_per_step: {device: us}}}.
+  lanes (GPUs): one-sample LSTM (hidden 256, 2 layers; the seed's forward(x) style) at k=32 on one
+      GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
+      after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
 """
 from __future__ import annotations
 
@@ -245,7 +248,36 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     # -- trainer phases --------------------------------------------------------------------------
     for k in ((1, 32) if cuda else (1, 4)):
         add(f"diag.trainer_phases.k{k}", lambda k=k: trainer_phases(res, devices, k, budget))
+    for n in (1, 2, 4, 8):
+        key = f"diag.lanes.lanes{n}"
+        if cuda:
+            add(key, lambda n=n: lanes(res, devices[0], n, budget))
+        else:
+            res.skip(key, "lanes replay CUDA graphs: GPUs only")
     return out, []
+
+
+def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
+    from ..trainer import ParallelTrainer
+    from .sweep import ModelSpec, make_model
+    model = make_model(ModelSpec("lstm", 256, 2), "one").to(device)
+    trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), nn.MSELoss(),
+                              devices=[device], samples_per_device=32, lanes=n, process_group=None)
+    pool = make_pool(32, seed=2, pin=True)
+    lengths = sorted({x.shape[0] for x in pool[0]})[:8]
+    keep = [i for i, x in enumerate(pool[0]) if x.shape[0] in lengths]
+    pool = ([pool[0][i] for i in keep], [pool[1][i] for i in keep])
+    trainer.warmup(lengths)
+    feed = Feeder(pool)
+    sync = synchronizer([device])
+
+    def step() -> None:
+        trainer.step(*feed.next(32))
+    try:
+        ts = time_loop(step, sync, repeats=budget.merge_repeats, warmup=2, target_s=1.0, min_iters=3)
+    finally:
+        trainer.close()
+    res.set(f"diag.lanes.lanes{n}", 32 / statistics.median(ts))
 
 
 def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Budget) -> None:
