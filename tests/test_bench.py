@@ -12,7 +12,7 @@ import torch
 from vlseq_ext.bench import sweep
 from vlseq_ext.bench.__main__ import bench_devices
 from vlseq_ext.bench.processes import run_ddp
-from vlseq_ext.bench.report import evaluate_targets, validate, write_outputs
+from vlseq_ext.bench.report import evaluate_targets, schema_problems, write_outputs
 from vlseq_ext.bench.results import Results
 from vlseq_ext.bench.timing import stats, time_loop
 
@@ -56,7 +56,7 @@ def quick_run(tmp_path_factory):
 
 def test_quick_cpu_run_writes_valid_results(quick_run):
     out, d, stdout = quick_run
-    assert validate(d) == []
+    assert schema_problems(d) == []
     assert d["errors"] == {}
     meta = d["meta"]
     assert meta["device_type"] == "cpu" and meta["num_devices"] == 2 and meta["quick"] is True
@@ -90,7 +90,7 @@ def test_quick_cpu_run_writes_valid_results(quick_run):
 
 def test_flatten_suite_on_one_cpu_device(tmp_path):
     d, stdout = _bench(tmp_path, "--quick", "--suite", "flatten", "--devices", "cpu:1")
-    assert validate(d) == [] and d["errors"] == {} and d["skipped"] == PLOT_SKIPS  # (the suite needs no plot)
+    assert schema_problems(d) == [] and d["errors"] == {} and d["skipped"] == PLOT_SKIPS  # (the suite needs no plot)
     assert d["meta"]["suite"] == "flatten" and d["merge"] == {} and d["train"] == {}
     f = d["flatten"]
     assert f["device"] == "cpu"
@@ -229,7 +229,7 @@ def test_targets_and_report_on_gpu_shaped_results(tmp_path):
     flatten.add_fractions(r)
     md = write_outputs(r, str(tmp_path), log=lambda s: None)
     d = json.loads((tmp_path / "bench-results.json").read_text())
-    assert validate(d) == []
+    assert schema_problems(d) == []
     assert d["train"]["w1_k1_seed"]["ratios"]["vs_one_gpu"]["vlseq"] == pytest.approx(1500 / 467)
     assert "**met**" in md and "**missed**" in md and "381" in md and "NCCL error" in md
     assert d["flatten"]["many_tensors"]["fraction_of_copy"]["vlseq"] == pytest.approx(3272 / 3972)
@@ -238,7 +238,7 @@ def test_targets_and_report_on_gpu_shaped_results(tmp_path):
     assert evaluate_targets(r)["F1"]["status"] == "met"
 
 
-def test_validate_reports_problems():
+def test_schema_problems_are_reported():
     r = _gpu_shaped_results()
     d = json.loads(json.dumps(r.data))
     d["merge"]["seed_model"]["us_per_merge"]["vlseq"] = -1
@@ -246,13 +246,13 @@ def test_validate_reports_problems():
     d["flatten"]["seed_model"]["us_per_call"]["cat"] = "fast"
     d["flatten"]["many_tensors"]["size"] = "3MB"
     d["flatten"]["many_tensors"]["fraction_of_copy"] = {"vlseq": 0.8, "not_measured": 1.0}
-    problems = validate(d)
+    problems = schema_problems(d)
     assert any("us_per_merge.vlseq" in p for p in problems)
     assert any("samples_per_s_spread.vlseq" in p for p in problems)
     assert any("us_per_call.cat" in p for p in problems)
     assert any("many_tensors.size" in p for p in problems)
     assert any("fraction_of_copy" in p for p in problems)
-    assert validate({}) != []
+    assert schema_problems({}) != []
 
 
 def test_every_training_loop_runs_with_cpu_stand_ins(monkeypatch):
@@ -464,7 +464,7 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     assert t["status"] == "missed" and t["ratio"] == pytest.approx(3000 / 900)
     assert "1 of 3 points met, 1 incomplete" in t["detail"] and "missed: one_lstm_h64_l1_k1" in t["detail"]
     md = write_outputs(r, str(tmp_path), log=lambda s: None)
-    assert validate(json.loads((tmp_path / "bench-results.json").read_text())) == []
+    assert schema_problems(json.loads((tmp_path / "bench-results.json").read_text())) == []
     assert "## Training sweep" in md and "| LSTM h64 l1 | list | 4.44 met | incomplete |" in md
     assert "| one_lstm_h64_l1_k1 | 3,000 | 2,000 | - | 900 | 450 (per-sample) |" in md
     if HAVE_MPL:
@@ -472,5 +472,5 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     d = json.loads((tmp_path / "bench-results.json").read_text())
     d["train"]["sweep"]["one_lstm_h64_l1_k1"]["target"]["status"] = "fine"
     d["train"]["sweep"]["one_lstm_h64_l1_k1"]["ratio"]["vs_ddp"] = -1
-    problems = validate(d)
+    problems = schema_problems(d)
     assert any("target.status" in p for p in problems) and any("one_lstm_h64_l1_k1.ratio" in p for p in problems)

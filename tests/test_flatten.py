@@ -532,7 +532,7 @@ def test_wrappers_name_non_tensor_arguments(case, native, rand, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# toolchain: how the extension is linked (csrc/exports.map, csrc/validate.cpp)
+# toolchain: how the extension is linked (csrc/exports.map, csrc/arg_checks.cpp)
 # --------------------------------------------------------------------------------------------
 
 

@@ -591,7 +591,7 @@ def test_all_reduce_bad_input(case, rand):
 
 @pytest.mark.parametrize("name", ["all_reduce_tensors_", "broadcast_tensors_", "p2p_status"])
 def test_empty_lists_name_the_problem(name):
-    """An empty tensor list must fail with the op's own message (csrc/validate.cpp), not with the
+    """An empty tensor list must fail with the op's own message (csrc/arg_checks.cpp), not with the
     dispatcher's "There were no tensor arguments to this function". (all_reduce_: see
     test_all_reduce_bad_input[empty].)"""
     calls = {

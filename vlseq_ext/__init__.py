@@ -1,8 +1,9 @@
 """vlseq_ext: fast, exact multi-GPU training of sequence models on variable-length samples."""
 from . import ops
+from .checkpoint import load_model
 from .models import SeqModel
 from .replicas import GradientMerger
 from .trainer import ParallelTrainer
 
-__all__ = ["ops", "GradientMerger", "SeqModel", "ParallelTrainer"]
+__all__ = ["ops", "GradientMerger", "SeqModel", "ParallelTrainer", "load_model"]
 from ._version import __version__  # noqa: E402  (the one version source, vlseq_ext/_version.py)

@@ -41,7 +41,7 @@ def _span(t: Tensor, numel: Optional[int] = None):
 def _first_overlap(spans, conflict=lambda i, j: True) -> Optional[Tuple[int, int]]:
     """The first pair (i, j), i < j, of the numbered spans [(i, span or None)] that share memory on
     one device and that conflict(i, j) does not excuse; None when there is none. The search of
-    csrc/validate.cpp: sorted by start, O(n log n) while nothing overlaps."""
+    csrc/arg_checks.cpp: sorted by start, O(n log n) while nothing overlaps."""
     ordered = sorted((s[0], s[1], i, s[2]) for i, s in spans if s is not None)
     active = []
     for dev, begin, k, end in ordered:

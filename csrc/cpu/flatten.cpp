@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "vlseq/dtypes.h"
-#include "vlseq/validate.h"
+#include "vlseq/arg_checks.h"
 
 namespace vlseq {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "vlseq/algo.h"
 #include "vlseq/dtypes.h"
-#include "vlseq/validate.h"
+#include "vlseq/arg_checks.h"
 
 namespace vlseq {
 namespace {

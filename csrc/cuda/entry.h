@@ -1,8 +1,8 @@
 // The CUDA implementations behind the op entry points of csrc/cuda/ops_cuda.cpp. They expect
 // input that has already been validated: every user-facing check happens in ops_cuda.cpp and
-// csrc/validate.cpp, before any work is queued. (The split was made after a crash blamed on
+// csrc/arg_checks.cpp, before any work is queued. (The split was made after a crash blamed on
 // exceptions unwinding through nvcc-compiled frames; the one recorded backtrace, taken after it,
-// crashed in host-compiled validate.cpp while formatting a number: see the note there.)
+// crashed in host-compiled arg_checks.cpp while formatting a number: see the note there.)
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -3,13 +3,13 @@
 #include <torch/library.h>
 
 #include "entry.h"
-#include "vlseq/validate.h"
+#include "vlseq/arg_checks.h"
 
 namespace vlseq {
 namespace {
 
 // `what`: "devices" or "lists". The one message that streams its numbers instead of formatting
-// them with std::to_string (validate.cpp says why the others do): a GPU test
+// them with std::to_string (arg_checks.cpp says why the others do): a GPU test
 // (test_reduce.py::test_cuda_error_message_with_streamed_numbers) makes it fail, so that a build
 // whose number formatting is broken again shows up there.
 void check_rank_count(const char* op, const char* what, size_t n) {

@@ -354,7 +354,7 @@ META_KEYS = ("date", "command", "argv", "quick", "suite", "devices", "device_typ
              "gpu_names", "peer_access", "torch", "cuda", "driver")
 
 
-def validate(d: Dict[str, Any]) -> List[str]:
+def schema_problems(d: Dict[str, Any]) -> List[str]:
     """Problems with a bench-results.json dict against the schema in the package docstring
     (empty list: valid). Checks structure and that every measurement is a positive number with a
     consistent {median, min, max, n} spread beside it."""

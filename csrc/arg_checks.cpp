@@ -1,4 +1,4 @@
-#include "vlseq/validate.h"
+#include "vlseq/arg_checks.h"
 
 #include <ATen/ATen.h>
 
