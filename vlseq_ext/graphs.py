@@ -36,6 +36,8 @@ __all__ = ["capture", "SampleGraphs", "PaddedGraphs", "padded_length"]
 # Padded lengths are rounded up to a multiple of this: at most 31 wasted steps per batch (6% of a
 # 275-step mean at the default data), and 16 graphs cover lengths 1-512.
 PAD_BUCKET = 32
+# Captures that may fail on one cache before it stops trying (each failure costs one eager run).
+MAX_CAPTURE_FAILURES = 2
 
 
 def padded_length(max_len: int) -> int:
@@ -115,7 +117,8 @@ class _Cache:
         self.replays = 0
         self.eager_runs = 0
         self.capture_seconds = 0.0  # eager first runs + captures: the warm-up cost
-        self.failed: Optional[str] = None
+        self.failures = 0
+        self.failed: Optional[str] = None  # set once captures are given up
 
     def _eager_then_capture(self, step: Callable[[], None], n_graphs: int) -> Optional[torch.cuda.CUDAGraph]:
         """Run `step` eagerly (a real step), then capture it; None when it is not captured."""
@@ -131,10 +134,15 @@ class _Cache:
                 graph = capture(step, self.device, self.pool)
                 self.captures += 1
                 self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
-            except RuntimeError as exc:  # a model that cannot be captured stays eager
-                self.failed = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                warnings.warn(f"vlseq_ext: CUDA-graph capture failed on {self.device} ({self.failed}); "
-                              "running this replica eagerly", RuntimeWarning)
+            except RuntimeError as exc:
+                # A model that cannot be captured stays eager. One more try, at another shape, first:
+                # a capture once failed on cuDNN's bidirectional GRU and the same shape captured in
+                # the run beside it (seen once on an H200; cause not found).
+                self.failures += 1
+                if self.failures >= MAX_CAPTURE_FAILURES:
+                    self.failed = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    warnings.warn(f"vlseq_ext: CUDA-graph capture failed on {self.device} ({self.failed}); "
+                                  "running this replica eagerly", RuntimeWarning)
         self.capture_seconds += time.perf_counter() - t0
         return graph
 
