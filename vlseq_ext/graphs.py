@@ -80,20 +80,24 @@ def _repair_rng(device: torch.device, backup: torch.Generator) -> None:
 
 def capture(fn: Callable[[], None], device: torch.device, pool) -> torch.cuda.CUDAGraph:
     """Capture fn() (queued on the current stream, which must not be the default stream) as a graph.
-    On any failure the capture is ended, the process's RNG left usable, and the error re-raised."""
+    On any failure, capture_begin's included (it marks the generator before it can fail on the
+    pool), the capture is ended, the process's RNG left usable, and the error re-raised."""
     gen = torch.cuda.default_generators[device.index]
     backup = gen.clone_state()
     graph = torch.cuda.CUDAGraph()
     error: Optional[BaseException] = None
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    began = False
     try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        began = True
         fn()
     except BaseException as exc:  # noqa: B036 - the capture must end whatever happened
         error = exc
-    try:
-        graph.capture_end()
-    except BaseException as exc:  # noqa: B036
-        error = error or exc
+    if began:
+        try:
+            graph.capture_end()
+        except BaseException as exc:  # noqa: B036
+            error = error or exc
     if error is not None:
         del graph
         _repair_rng(device, backup)
@@ -139,6 +143,7 @@ class _Cache:
                 # a capture once failed on cuDNN's bidirectional GRU and the same shape captured in
                 # the run beside it (seen once on an H200; cause not found).
                 self.failures += 1
+                self.pool = None  # a failed capture can leave its pool marked in use: the next takes a new one
                 if self.failures >= MAX_CAPTURE_FAILURES:
                     self.failed = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     warnings.warn(f"vlseq_ext: CUDA-graph capture failed on {self.device} ({self.failed}); "
