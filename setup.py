@@ -101,7 +101,8 @@ def _extension():
     cxx = ["-O3"]  # torch picks the C++ standard it needs (C++20 from torch 2.13)
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     # Export PyInit__C only (csrc/exports.map says why): a GPU-machine build that exported a
-    # statically linked copy of libstdc++ crashed when formatting numbers (csrc/arg_checks.cpp).
+    # copy of libstdc++ (linked in statically by the GPU image's CXX=/opt/gcc/bin/g++) crashed when
+    # formatting numbers (csrc/arg_checks.cpp).
     link = [f"-Wl,--version-script={os.path.join(ROOT, 'csrc', 'exports.map')}"]
     if not use_cuda:
         return CppExtension("vlseq_ext._C", sources, include_dirs=include_dirs,

@@ -36,8 +36,8 @@ void check_dtype(const char* op, const What& what, const at::Tensor& t) {
 
 // Numbers go into messages as strings. The crash behind this rule
 // (benchmarks/results/cuda-gdb-bad-input-crash.txt) came from the build, not from TORCH_CHECK: that
-// extension held its own, exported copy of libstdc++'s stream code (statically linked; why is not
-// known), the dynamic linker bound part of it (the locale facet ids) to the process's
+// extension held its own, exported copy of libstdc++'s stream code (statically linked by the GPU image's
+// CXX=/opt/gcc/bin/g++), the dynamic linker bound part of it (the locale facet ids) to the process's
 // libstdc++.so.6, and formatting a number fetched the wrong facet (strings do not use it).
 // setup.py now lets the extension export nothing but PyInit__C, and tests/test_flatten.py checks
 // the built library. to_string stays: it costs nothing.
