@@ -141,3 +141,13 @@ def compiled_ops() -> None:
     assert ops.has_extension(), (
         "vlseq_ext._C is not built/importable, so these tests would compare the reference with itself: "
         f"{ops._ext.LOAD_ERROR or 'not built'}")
+
+
+@pytest.fixture
+def no_tf32():
+    """cuDNN's RNNs use TF32 by default on Hopper (~3e-4 relative error): GPU correctness tests
+    compare in full fp32."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old

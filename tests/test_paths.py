@@ -191,14 +191,6 @@ def test_evaluate_and_load_state_dict_reject_bad_input():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def gpus() -> int:
     return min(torch.cuda.device_count(), 2)
 

@@ -24,16 +24,13 @@ needs_aeon = pytest.mark.skipif(importlib.util.find_spec("aeon") is None,
 
 
 @pytest.fixture(autouse=True)
-def one_thread_no_tf32():
-    """One CPU thread; full fp32 on GPUs (cuDNN's default TF32 would differ from the CPU reference
-    by ~1e-4), so predictions on any device compare with the CPU forward at fp32 tolerances."""
+def one_thread(no_tf32):
+    """One CPU thread; full fp32 on GPUs (no_tf32: cuDNN's default TF32 would differ from the CPU
+    reference by ~1e-4), so predictions on any device compare with the CPU forward at fp32 tolerances."""
     n = torch.get_num_threads()
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.set_num_threads(1)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.set_num_threads(n)
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def sequences(n, d, seed):

@@ -317,15 +317,6 @@ def test_bad_constructor_arguments(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_tf32():
-    """cuDNN's RNNs use TF32 by default on Hopper (~3e-4 relative error); compare in full fp32."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def gpu_reference_grads(model: nn.Module, xs, ys, reduction: str):
     """The same per-sample passes in fp32 on cuda:0, eager: what a single GPU computes. Returns
     the summed grads and, per parameter, the sum of the samples' |grad|: the scale of the rounding
