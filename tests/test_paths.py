@@ -304,3 +304,17 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
         for _ in range(3):
             assert torch.isfinite(t.step(*batch(gpus(), gen)))
     torch.nn.functional.dropout(torch.ones(10, device="cuda:0"), 0.5)
+
+
+def test_first_step_probes_draw_no_random_numbers():
+    """The first step probes the model (output shape, list support) in eval mode: a dropout model
+    draws no random numbers there, so a resumed run repeats the uninterrupted one's masks."""
+    model = DropoutModel()
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2",
+                              samples_per_device=2)
+    xs, _ = batch(4, torch.Generator().manual_seed(0))
+    before = torch.get_rng_state()
+    trainer.runner.prepare(xs)
+    trainer.runner.accepts_list(xs)
+    assert torch.equal(before, torch.get_rng_state())
+    assert model.training

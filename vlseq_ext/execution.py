@@ -63,11 +63,23 @@ class DeviceRunner:
             return "packed"
         return "per_sample"
 
+    @contextlib.contextmanager
+    def _probing(self):
+        """Probe calls of the master model: no gradient, and eval mode, so that they draw no random
+        numbers (a resumed run must repeat the uninterrupted one) and update no running statistics."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                yield
+        finally:
+            self.model.train(was_training)
+
     def accepts_list(self, xs: List[Tensor]) -> bool:
         if self._accepts_list is None:
             probe = [x[:2].to(self.master_device) for x in xs[:2]]
             try:
-                with torch.no_grad():
+                with self._probing():
                     out = self.model(probe)
                 self._accepts_list = isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == len(probe)
             except Exception:  # any model that rejects a list runs per sample
@@ -77,7 +89,7 @@ class DeviceRunner:
     def prepare(self, xs: List[Tensor]) -> None:
         """First step: the output shape (for the target check) and the plan with its graph caches."""
         if self.output_shape is None:
-            with torch.no_grad(), self.autocast():
+            with self._probing():
                 self.output_shape = tuple(self.model(xs[0][:1].to(self.master_device)).shape)
         if self.plan is not None:
             return
