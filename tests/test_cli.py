@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def test_demo_loss_falls_and_writes_metrics_and_plot(tmp_path, capsys):
     else:
         assert "skipped: matplotlib is not installed" in out and not (tmp_path / "run" / "loss.png").exists()
     assert "vlseq-train summary" in out and "LSTM(36 -> 64) + Linear(64 -> 1), 26,177 parameters" in out
+    assert re.search(r"warm-up +(none \(no CUDA graphs on this device\)|[0-9.]+ s of first runs and captures)", out)
     assert checkpoint.load_checkpoint(tmp_path / "run")["run"]["step"] == 200
 
 

@@ -319,8 +319,18 @@ def summary_rows(run: Any, wall: float, plot_note: str) -> List[Tuple[str, str]]
     if h["val_accuracy"] and h["val_accuracy"][-1] is not None:
         rows.append(("val accuracy", f"{100 * h['val_accuracy'][-1]:.1f}% (chance {100 / data.output_dim:.1f}%)"))
     rows += [("throughput", f"{run.samples_done / max(wall, 1e-9):,.0f} samples/s ({wall:.1f} s this session)"),
+             ("warm-up", warm_up_text(run.trainer)),
              ("checkpoint", str(run.ckpt_path)), ("metrics", run.cfg["metrics"]), ("plot", plot_note)]
     return rows
+
+
+def warm_up_text(trainer: Any) -> str:
+    """Time spent on first runs and CUDA-graph captures (included in the throughput above)."""
+    if not trainer.cuda_graphs:
+        return "none (no CUDA graphs on this device)"
+    graphs = sum(s["graphs"] for s in trainer.graph_stats())
+    return (f"{trainer.capture_seconds:.1f} s of first runs and captures on the slowest device, "
+            f"{plural(graphs, 'CUDA graph')} in all")
 
 
 def format_summary(prog: str, rows: List[Tuple[str, str]]) -> str:
