@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from vlseq_ext import data
-from vlseq_ext.data import DataError, LengthBucketSampler
+from vlseq_ext.data import DataError
+from vlseq_ext import samplers
+from vlseq_ext.samplers import LengthBucketSampler
 
 HAS_AEON = importlib.util.find_spec("aeon") is not None
 needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
@@ -327,7 +329,7 @@ def test_data_paths_that_are_not_files(tmp_path):
 
 
 def test_distributed_sampler_lives_next_to_the_bucket_sampler():
-    s = data.DistributedLengthSampler(np.arange(1, 21), 2, 2)
+    s = samplers.DistributedLengthSampler(np.arange(1, 21), 2, 2)
     assert isinstance(s, LengthBucketSampler) and s.batch_size == 4 and len(s) == 5
 
 

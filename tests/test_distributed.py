@@ -373,8 +373,8 @@ def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
 
 
 def test_distributed_sampler_uses_every_sample_once_per_epoch():
-    from vlseq_ext.data import LengthBucketSampler
-    from vlseq_ext.data import DistributedLengthSampler
+    from vlseq_ext.samplers import LengthBucketSampler
+    from vlseq_ext.samplers import DistributedLengthSampler
 
     lengths = np.random.default_rng(1).integers(5, 300, 101)
     samplers = [DistributedLengthSampler(lengths, 2, 2, r, 3, seed=4, bucket_batches=3) for r in range(3)]
@@ -395,8 +395,8 @@ def test_distributed_sampler_uses_every_sample_once_per_epoch():
 
 
 def test_sampler_state_resumes_with_another_step_size():
-    from vlseq_ext.data import LengthBucketSampler
-    from vlseq_ext.data import DistributedLengthSampler
+    from vlseq_ext.samplers import LengthBucketSampler
+    from vlseq_ext.samplers import DistributedLengthSampler
 
     lengths = np.random.default_rng(2).integers(5, 300, 57)
     a = DistributedLengthSampler(lengths, 2, 1, 0, 2, seed=1)  # global steps of 4

@@ -50,7 +50,7 @@ runs the trainer's longest-first assignment over all ranks' devices and keeps th
 samples, so every GPU of every process gets a balanced part of the step. In a short last step a
 rank may get few samples or none: it still joins the collective, contributing zeros, and "mean"
 divides by the true global count, so the gradient is exactly that of one device on those samples.
-`vlseq_ext.data.DistributedLengthSampler` does this for the length-bucketed order of vlseq-train; its checkpoints
+`vlseq_ext.samplers.DistributedLengthSampler` does this for the length-bucketed order of vlseq-train; its checkpoints
 do not depend on the world size.
 """
 from __future__ import annotations

@@ -17,7 +17,8 @@ from torch import nn
 from .. import distributed
 from ..checkpoint import CHECKPOINT_NAME, FORMAT, CheckpointWriteError, build_model, capture_rng_state, \
     restore_rng_state, save_checkpoint
-from ..data import DataError, DistributedLengthSampler, RaggedDataset, open_dataset, split
+from ..data import DataError, RaggedDataset, open_dataset, split
+from ..samplers import DistributedLengthSampler
 from ..devices import parse_devices
 from ..loop import TrainingLoop
 from ..trainer import ParallelTrainer
