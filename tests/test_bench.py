@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vlseq_ext.bench import sweep
+from vlseq_ext.bench import sweep, sweep_report
 from vlseq_ext.bench.__main__ import bench_devices
 from vlseq_ext.bench.processes import run_ddp
 from vlseq_ext.bench.report import evaluate_targets, schema_problems, write_outputs
@@ -357,8 +357,8 @@ def test_quick_cpu_run_sweeps_every_point_and_method(quick_run):
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed: the heat map is not drawn")
 def test_quick_cpu_run_draws_the_sweep_heat_map(quick_run):
     out, d, _ = quick_run
-    assert (out / sweep.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"]({sweep.PLOT_FILE})" in (out / "summary.md").read_text()
+    assert (out / sweep_report.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({sweep_report.PLOT_FILE})" in (out / "summary.md").read_text()
 
 
 def test_quick_cpu_run_diagnostics(quick_run):
@@ -450,7 +450,7 @@ def _sweep_results() -> Results:
 
 def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     r = _sweep_results()
-    sweep.finalize(r)
+    sweep_report.finalize(r)
     met, missed, partial = (r.get(f"train.sweep.{n}") for n in
                             ("list_lstm_h64_l1_k1", "one_lstm_h64_l1_k1", "list_lstm_h64_l1_k32"))
     assert met["samples_per_s"]["one_gpu_best"] == 450 and met["one_gpu_best_method"] == "one_gpu"
@@ -468,7 +468,7 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     assert "## Training sweep" in md and "| LSTM h64 l1 | list | 4.44 met | incomplete |" in md
     assert "| one_lstm_h64_l1_k1 | 3,000 | 2,000 | - | 900 | 450 (per-sample) |" in md
     if HAVE_MPL:
-        assert (tmp_path / sweep.PLOT_FILE).exists()
+        assert (tmp_path / sweep_report.PLOT_FILE).exists()
     d = json.loads((tmp_path / "bench-results.json").read_text())
     d["train"]["sweep"]["one_lstm_h64_l1_k1"]["target"]["status"] = "fine"
     d["train"]["sweep"]["one_lstm_h64_l1_k1"]["ratio"]["vs_ddp"] = -1

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ..devices import parse_devices
-from . import diag, flatten, merge, sweep, train
+from . import diag, flatten, merge, sweep, sweep_report, train
 from .processes import run_ddp
 from .report import collect_meta, write_outputs
 from .results import Results, Skip, Task
@@ -180,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bar.close()
     train.add_ratios(res, cuda)
     flatten.add_fractions(res)
-    sweep.finalize(res)
+    sweep_report.finalize(res)
     timings["total"] = time.perf_counter() - t_start
     md = write_outputs(res, args.out, log=say)
     print(md)

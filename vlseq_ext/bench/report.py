@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import diag, sweep
+from . import diag, sweep_report
 from .results import SCHEMA_VERSION, SIZES, Results, lookup
 
 
@@ -66,7 +66,7 @@ TARGETS = {
     "W1": ("train seed model, 1 sample/GPU/step", ">= 1.9x plain one-GPU loop (goal >= 6x)"),
     "W2": ("train seed model, k=32/GPU", ">= 1.5x DDP; 2 GPUs >= 1.9x our 1-GPU run"),
     "F1": ("flatten of 256 MB over 200 fp32 tensors, 1 GPU", ">= 85% of a same-device copy's bandwidth"),
-    # W3 (the sweep) is checked per point in vlseq_ext.bench.sweep; its entry comes from sweep.target_summary.
+    # W3 (the sweep) is checked per point in vlseq_ext.bench.sweep_report, which also gives its entry.
 }
 
 
@@ -141,7 +141,7 @@ def evaluate_targets(res: Results) -> Dict[str, Any]:
         out["M2"]["detail"] += (f"; {100 * m2 / bidir:.1f}% of the copy engines' bidirectional ceiling "
                                 f"({_fmt(bidir)} GB/s per direction, both at once)")
     if res.get("train.sweep_info") is not None:
-        out["W3"] = sweep.target_summary(res.data)
+        out["W3"] = sweep_report.target_summary(res.data)
     return out
 
 
@@ -178,7 +178,7 @@ def markdown(res: Results, plots: Sequence[str] = ()) -> str:
                 [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
                  for tid, t in d["targets"].items()])
     L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + diag.markdown_lines(d) + _train_md(d["train"]) + \
-        sweep.markdown_lines(d)
+        sweep_report.markdown_lines(d)
     if d["skipped"]:
         by_reason: Dict[str, List[str]] = {}
         for k, why in d["skipped"].items():
@@ -315,7 +315,7 @@ def plot(res: Results, out_dir: str) -> List[str]:
         fig.savefig(os.path.join(out_dir, "train_samples_per_s.png"), dpi=110)
         plt.close(fig)
         written.append("train_samples_per_s.png")
-    heat = sweep.plot_heatmap(res.data, out_dir)
+    heat = sweep_report.plot_heatmap(res.data, out_dir)
     if heat:
         written.append(heat)
     return written
