@@ -318,3 +318,20 @@ def test_first_step_probes_draw_no_random_numbers():
     trainer.runner.accepts_list(xs)
     assert torch.equal(before, torch.get_rng_state())
     assert model.training
+
+
+@requires_cuda
+@pytest.mark.parametrize("task", ["regression2", "classification"])
+def test_gpu_warmup_graphs_are_the_ones_training_replays(task, no_tf32):
+    """warmup() captures with targets shaped like the real ones: training then only replays."""
+    gen = torch.Generator().manual_seed(2)
+    out, loss_fn = (2, nn.MSELoss()) if task == "regression2" else (3, nn.CrossEntropyLoss())
+    model = SeqModel(input_dim=6, hidden_dim=8, output_dim=out).cuda(0)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, devices=gpus(),
+                              samples_per_device=2)
+    trainer.warmup([10, 20, 30])
+    before = sum(s["eager_runs"] for s in trainer.graph_stats())
+    xs = [torch.randn(L, 6, generator=gen) for L in [10, 20, 30, 10][:2 * gpus()]]
+    ys = [torch.randn(out, generator=gen) if task == "regression2" else torch.tensor(i % out) for i in range(len(xs))]
+    trainer.step(xs, ys)
+    assert sum(s["eager_runs"] for s in trainer.graph_stats()) == before, "training ran eagerly after warmup"

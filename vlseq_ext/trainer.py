@@ -258,15 +258,22 @@ class ParallelTrainer:
 
     def warmup(self, lengths: Sequence[int], target: Optional[Tensor] = None) -> None:
         """Capture the CUDA graphs for these sample lengths on every device ahead of training (all
-        devices at once), so the first epoch does not pay for captures. Leaves gradients, losses and
-        parameters as they were. No-op without CUDA graphs."""
+        devices at once), so the first epoch does not pay for captures. `target`: one sample's
+        target as training will give it (graphs are kept per target shape and dtype); by default a
+        class index for CrossEntropyLoss/NLLLoss, else one float per model output. Leaves gradients,
+        losses and parameters as they were. No-op without CUDA graphs."""
         if not self.cuda_graphs or not len(lengths):
             return
         t0 = time.perf_counter()
-        y = torch.zeros(1) if target is None else target
         dim = self.input_dim or 1
         lengths = sorted({int(v) for v in lengths}, reverse=True)
         self.runner.prepare([torch.randn(lengths[0], dim)])
+        if target is not None:
+            y = target
+        elif isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            y = torch.zeros((), dtype=torch.int64)
+        else:
+            y = torch.zeros(self.runner.output_shape[-1])
         k = self.samples_per_device
         if self.runner.plan == "padded":  # one full batch per padded length bucket
             steps = [[L] * k for L in sorted({padded_length(v) for v in lengths}, reverse=True)]
