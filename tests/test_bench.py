@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vlseq_ext.bench import sweep, sweep_report
+from vlseq_ext.bench import sweep, sweep_points, sweep_report
 from vlseq_ext.bench.__main__ import bench_devices
 from vlseq_ext.bench.processes import run_ddp
 from vlseq_ext.bench.report import evaluate_targets, schema_problems, write_outputs
@@ -322,9 +322,9 @@ SWEEP_METHODS = {"vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_gloo", "one_gpu_packed"
 
 def test_quick_cpu_run_sweeps_every_point_and_method(quick_run):
     out, d, stdout = quick_run
-    plan = sweep.plan_for(cuda=False, quick=True)
+    plan = sweep_points.plan_for(cuda=False, quick=True)
     points = d["train"]["sweep"]
-    assert set(points) == {sweep.point_name(f, m, k) for m in plan.models for k in plan.ks for f in sweep.FORMS}
+    assert set(points) == {sweep_points.point_name(f, m, k) for m in plan.models for k in plan.ks for f in sweep_points.FORMS}
     assert len(points) == 12 and "list_lstm_h16_l2_k4" in points and "one_bigru_h8_l2_k1" in points
     assert not [k for k in d["errors"] if k.startswith("train.sweep")], d["errors"]
     assert "gloo" in d["skipped"]["train.sweep.ddp_nccl"]  # the one method that does not run on CPU, and why
@@ -344,7 +344,7 @@ def test_quick_cpu_run_sweeps_every_point_and_method(quick_run):
         assert p["target"]["status"] == ("met" if all(c["ok"] for c in checks.values()) else "missed")
     for m in plan.models:  # the one-GPU loops are measured once per model and k, for both forms
         for k in plan.ks:
-            a, b = (points[sweep.point_name(f, m, k)]["samples_per_s"] for f in sweep.FORMS)
+            a, b = (points[sweep_points.point_name(f, m, k)]["samples_per_s"] for f in sweep_points.FORMS)
             assert a["one_gpu"] == b["one_gpu"] and a["one_gpu_packed"] == b["one_gpu_packed"]
     info = d["train"]["sweep_info"]
     assert info["ddp_method"] == "ddp_gloo" and set(info["optimizer"].values()) == {"Adam(lr=1e-3)"}
@@ -404,7 +404,7 @@ def test_sweep_and_diag_gpu_plans():
     sweep.tasks(devs, Budget.make(False), res)
     assert {"list_lstm_h256_l2_k32", "one_lstm_h1024_l2_k8", "one_bigru_h256_l2_k1"} <= set(res.get("train.sweep"))
     assert res.get("train.sweep.one_bigru_h256_l2_k1.params") == sum(
-        p.numel() for p in sweep.make_model(sweep.ModelSpec("bigru", 256, 2), "one").parameters())
+        p.numel() for p in sweep_points.make_model(sweep_points.ModelSpec("bigru", 256, 2), "one").parameters())
 
     res = Results({})
     tasks, jobs = diag.tasks(devs, Budget.make(False), res)
@@ -421,8 +421,8 @@ def test_sweep_and_diag_gpu_plans():
 
 def test_one_sample_model_is_seq_model_that_takes_one_sample():
     x = torch.randn(7, 36)
-    for spec in (sweep.ModelSpec("lstm", 8, 2), sweep.ModelSpec("bigru", 8, 2)):
-        a, b = sweep.make_model(spec, "list"), sweep.make_model(spec, "one")
+    for spec in (sweep_points.ModelSpec("lstm", 8, 2), sweep_points.ModelSpec("bigru", 8, 2)):
+        a, b = sweep_points.make_model(spec, "list"), sweep_points.make_model(spec, "one")
         pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
         assert list(pa) == list(pb) and all(torch.equal(pa[n], pb[n]) for n in pa)  # same layout, same weights
         torch.testing.assert_close(b(x), a(x))

@@ -40,7 +40,7 @@ from .. import GradientMerger, ops
 from ..models import SeqModel
 from .baselines import Feeder, make_pool
 from .merge import accepted_algos
-from .results import SIZES, Results, Skip, Task
+from .results import SIZES, Results, Skip, Task, fmt
 from .timing import Budget, synchronizer, time_loop
 
 CROSSOVER = {"64KB": 64 << 10, "256KB": 256 << 10, "1MB": 1 << 20, "4MB": 4 << 20}
@@ -259,7 +259,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
 
 def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
     from ..trainer import ParallelTrainer
-    from .sweep import ModelSpec, make_model
+    from .sweep_points import ModelSpec, make_model
     model = make_model(ModelSpec("lstm", 256, 2), "one").to(device)
     trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), nn.MSELoss(),
                               devices=[device], samples_per_device=32, lanes=n, process_group=None)
@@ -330,12 +330,6 @@ def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Bu
 
 
 # ------------------------------------------------------------------------------------------------
-def _f(v: Optional[float]) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
-
-
 def markdown_lines(data: Dict[str, Any]) -> List[str]:
     d = data.get("diag") or {}
     L: List[str] = []
@@ -346,29 +340,29 @@ def markdown_lines(data: Dict[str, Any]) -> List[str]:
               "| operation | kernel | wall | host | kernel / wall |", "|---|---|---|---|---|"]
         for name, e in d["kernels"].items():
             share = e.get("kernel_share_of_wall")
-            L.append(f"| {name} | {_f(e.get('kernel_us'))} | {_f(e.get('wall_us'))} | {_f(e.get('host_us'))} | "
+            L.append(f"| {name} | {fmt(e.get('kernel_us'))} | {fmt(e.get('wall_us'))} | {fmt(e.get('host_us'))} | "
                      f"{f'{100 * share:.0f}%' if share else '-'} |")
     cross = {s: c for s, c in (d.get("crossover") or {}).items() if c.get("algbw_gbps")}
     if cross:
         methods = sorted({m for c in cross.values() for m in c["algbw_gbps"]})
         L += ["", "## Diagnostics: all-reduce crossover, GB/s (algorithm bandwidth)", "",
               "| method | " + " | ".join(cross) + " |", "|---|" + "---|" * len(cross)]
-        L += [f"| {m} | " + " | ".join(_f(c["algbw_gbps"].get(m)) for c in cross.values()) + " |" for m in methods]
+        L += [f"| {m} | " + " | ".join(fmt(c["algbw_gbps"].get(m)) for c in cross.values()) + " |" for m in methods]
     so = (d.get("step_options") or {}).get("us_per_step")
     if so:
         L += ["", "## Diagnostics: merge + optimizer + sync per step (seed model, µs)", "",
-              "| option | µs/step |", "|---|---|"] + [f"| {k} | {_f(v)} |" for k, v in so.items()]
+              "| option | µs/step |", "|---|---|"] + [f"| {k} | {fmt(v)} |" for k, v in so.items()]
     host = (d.get("host") or {}).get("us_per_call")
     if host:
         L += ["", "## Diagnostics: host costs (µs per call)", "", "| call | µs |", "|---|---|"] + \
-             [f"| {k} | {_f(v)} |" for k, v in host.items()]
+             [f"| {k} | {fmt(v)} |" for k, v in host.items()]
     phases = d.get("trainer_phases") or {}
     if phases:
         L += ["", "## Diagnostics: trainer phases (seed model; µs per step)", ""]
         for k, p in phases.items():
-            parts = ", ".join(f"{r} {_f(v)}" for r, v in p.get("host_us_per_step", {}).items())
-            busy = ", ".join(f"{dv} {_f(v)}" for dv, v in p.get("busy_us_per_step", {}).items())
+            parts = ", ".join(f"{r} {fmt(v)}" for r, v in p.get("host_us_per_step", {}).items())
+            busy = ", ".join(f"{dv} {fmt(v)}" for dv, v in p.get("busy_us_per_step", {}).items())
             L.append(f"- {k} ({p.get('samples_per_step')} samples per step, {p.get('steps')} steps): wall "
-                     f"{_f(p.get('wall_us_per_step'))}; host in ranges: {parts or '-'}"
+                     f"{fmt(p.get('wall_us_per_step'))}; host in ranges: {parts or '-'}"
                      + (f"; device busy: {busy}" if busy else ""))
     return L

@@ -1,7 +1,7 @@
-"""The top layer of vlseq_ext.bench: the machine description, the target checks (docs/design.md,
-"Targets") and the outputs (bench-results.json, summary.md, PNG plots), drawing on the suites' own
-summaries (diag, sweep). The recorder itself (Results) is in results.py. The JSON schema is in the
-package docstring."""
+"""The top layer of vlseq_ext.bench: the machine description and the outputs (bench-results.json
+with the target checks of targets.py, summary.md, PNG plots), drawing on the suites' own summaries
+(diag, sweep). The recorder itself (Results) is in results.py. The JSON schema is in the package
+docstring."""
 from __future__ import annotations
 
 import datetime
@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import diag, sweep_report
-from .results import SCHEMA_VERSION, SIZES, Results, lookup
+from .results import SCHEMA_VERSION, SIZES, Results, fmt, lookup
+from .targets import evaluate_targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,104 +60,9 @@ def collect_meta(devices: Sequence[torch.device], argv: List[str], quick: bool, 
 
 
 # ------------------------------------------------------------------------------------------------
-# targets (docs/design.md, "Targets")
-TARGETS = {
-    "M1": ("merge of seed-model grads, 2 GPUs", "<= 15 us/merge, >= 16x seed-style, >= 3.9x cat+NCCL"),
-    "M2": ("all-reduce of 256 MB fp32, 2 GPUs", ">= 90% of copy-engine P2P bandwidth; faster than torch.cuda.nccl"),
-    "W1": ("train seed model, 1 sample/GPU/step", ">= 1.9x plain one-GPU loop (goal >= 6x)"),
-    "W2": ("train seed model, k=32/GPU", ">= 1.5x DDP; 2 GPUs >= 1.9x our 1-GPU run"),
-    "F1": ("flatten of 256 MB over 200 fp32 tensors, 1 GPU", ">= 85% of a same-device copy's bandwidth"),
-    # W3 (the sweep) is checked per point in vlseq_ext.bench.sweep_report, which also gives its entry.
-}
-
-
-def evaluate_targets(res: Results) -> Dict[str, Any]:
-    meta = res.data["meta"]
-    ddp = "ddp_nccl" if meta["device_type"] == "cuda" else "ddp_gloo"
-    out: Dict[str, Any] = {}
-
-    def check(tid: str, needed: Dict[str, str], tests: Callable[[Dict[str, float]], List[tuple]], primary: str,
-              gpus: int = 2) -> None:
-        workload, target = TARGETS[tid]
-        entry: Dict[str, Any] = {"workload": workload, "target": target, "status": "not run", "ratio": None}
-        out[tid] = entry
-        if meta["device_type"] != "cuda" or meta["num_devices"] < gpus:
-            entry["detail"] = (f"needs >= {gpus} CUDA GPU{'s' if gpus > 1 else ''} "
-                               f"(this run: {meta['num_devices']} x {meta['device_type']})")
-            return
-        vals = {name: res.get(path) for name, path in needed.items()}
-        missing = [needed[name] for name, v in vals.items() if not v]
-        if missing:
-            entry["detail"] = "missing: " + ", ".join(missing) + " (see errors/skipped)"
-            return
-        def evaluate(vals: Dict[str, float]) -> Dict[str, dict]:
-            return {name: {"value": v, "op": op, "threshold": thr,
-                           "ok": v <= thr if op == "<=" else v >= thr if op == ">=" else v > thr}
-                    for name, v, op, thr in tests(vals)}
-
-        def status(checks: Dict[str, dict]) -> str:
-            return "met" if all(c["ok"] for n_, c in checks.items() if n_ != "goal") else "missed"
-
-        checks = evaluate(vals)
-        entry.update(checks=checks, ratio=checks[primary]["value"], status=status(checks))
-        # (a one-GPU target runs on the first device whatever the count)
-        note = "" if gpus == 1 or meta["num_devices"] == gpus else \
-            f" (measured on {meta['num_devices']} GPUs; the target is for {gpus})"
-        entry["detail"] = "; ".join(f"{n_} = {_fmt(c['value'])} ({'ok' if c['ok'] else 'no'}: "
-                                    f"{c['op']} {c['threshold']})" for n_, c in checks.items()) + note
-        # The status is for `vlseq` (the defaults); say too how the best of our variants does.
-        path = needed["v"].rpartition(".")[0]
-        variants = {k: v for k, v in (res.get(path) or {}).items()  # (not variants: 1 device, the inverse op)
-                    if k.startswith("vlseq_") and k not in ("vlseq_1gpu", "vlseq_unflatten")}
-        if variants:
-            best = (min if path.endswith("us_per_merge") else max)(variants, key=variants.get)
-            if (variants[best] < vals["v"]) == path.endswith("us_per_merge"):
-                bc = evaluate(dict(vals, v=variants[best]))
-                entry["best_variant"] = {"method": best, "ratio": bc[primary]["value"], "status": status(bc)}
-                entry["detail"] += f"; best variant {best}: {status(bc)} ({primary} = {_fmt(bc[primary]['value'])})"
-
-    us = "merge.seed_model.us_per_merge."
-    check("M1", {"v": us + "vlseq", "seed": us + "seed_style", "cat": us + "cat_nccl"},
-          lambda v: [("us_per_merge", v["v"], "<=", 15.0), ("x_seed_style", v["seed"] / v["v"], ">=", 16.0),
-                     ("x_cat_nccl", v["cat"] / v["v"], ">=", 3.9)], "x_seed_style")
-    bw = "merge.flat_fp32.256MB.algbw_gbps."
-    check("M2", {"v": bw + "vlseq", "p2p": "merge.p2p_copy_gbps", "nccl": bw + "cat_nccl"},
-          lambda v: [("fraction_of_p2p_copy", v["v"] / v["p2p"], ">=", 0.9),
-                     ("x_cat_nccl", v["v"] / v["nccl"], ">", 1.0)],
-          "fraction_of_p2p_copy")
-    w1 = "train.w1_k1_seed.samples_per_s."
-    check("W1", {"v": w1 + "vlseq", "one": w1 + "one_gpu"},
-          lambda v: [("x_one_gpu", v["v"] / v["one"], ">=", 1.9), ("goal", v["v"] / v["one"], ">=", 6.0)], "x_one_gpu")
-    w2 = "train.w2_k32_seed.samples_per_s."
-    check("W2", {"v": w2 + "vlseq", "ddp": w2 + ddp, "one": w2 + "vlseq_1gpu"},
-          lambda v: [("x_" + ddp, v["v"] / v["ddp"], ">=", 1.5), ("x_vlseq_1gpu", v["v"] / v["one"], ">=", 1.9)],
-          "x_" + ddp)
-    fl = "flatten.many_tensors.gbps_rw."
-    check("F1", {"v": fl + "vlseq", "copy": fl + "copy"},
-          lambda v: [("fraction_of_copy", v["v"] / v["copy"], ">=", 0.85)], "fraction_of_copy", gpus=1)
-    # M2 beside the practical ceiling: a 2-GPU all-reduce moves the buffer both ways at once.
-    bidir, m2 = res.get("merge.p2p_copy_bidir_gbps"), res.get(bw + "vlseq")
-    if bidir and m2 and out["M2"].get("checks"):
-        out["M2"]["fraction_of_bidir_copy"] = m2 / bidir
-        out["M2"]["detail"] += (f"; {100 * m2 / bidir:.1f}% of the copy engines' bidirectional ceiling "
-                                f"({_fmt(bidir)} GB/s per direction, both at once)")
-    if res.get("train.sweep_info") is not None:
-        out["W3"] = sweep_report.target_summary(res.data)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
 # outputs
-def _fmt(v: Optional[float]) -> str:
-    if v is None:
-        return "-"
-    if v == 0 or abs(v) >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
-
-
 def _spread(sp: Optional[dict]) -> str:
-    return f"{_fmt(sp['min'])}–{_fmt(sp['max'])}" if sp else "-"
+    return f"{fmt(sp['min'])}–{fmt(sp['max'])}" if sp else "-"
 
 
 def _table(header: List[str], rows: List[List[str]]) -> List[str]:
@@ -203,7 +109,7 @@ def _merge_md(m: Dict[str, Any]) -> List[str]:
               "Loops of >= 500 merges, no sync inside; every method leaves the sum in every device's grads.", ""]
         base = {b: us.get(b) for b in ("seed_style", "cat_nccl")}
         L += _table(["method", "µs/merge", "min–max", "× seed_style", "× cat_nccl"],
-                    [[k, _fmt(v), _spread(sp.get(k))] + [_fmt(base[b] / v) if base[b] and v else "-" for b in base]
+                    [[k, fmt(v), _spread(sp.get(k))] + [fmt(base[b] / v) if base[b] and v else "-" for b in base]
                      for k, v in sorted(us.items(), key=lambda kv: kv[1])])
     for dt in ("fp32", "bf16"):
         flat = m.get(f"flat_{dt}", {})
@@ -214,15 +120,15 @@ def _merge_md(m: Dict[str, Any]) -> List[str]:
         L += ["", f"## Merge: flat {dt} buffers, algorithm bandwidth GB/s (bytes / time; median [min–max])", ""]
         def cell(s: str, k: str) -> str:
             bw = flat[s].get("algbw_gbps", {})
-            return f"{_fmt(bw[k])} [{_spread(flat[s]['algbw_gbps_spread'][k])}]" if k in bw else "-"
+            return f"{fmt(bw[k])} [{_spread(flat[s]['algbw_gbps_spread'][k])}]" if k in bw else "-"
         L += _table(["method"] + sizes, [[k] + [cell(s, k) for s in sizes] for k in methods])
     if m.get("p2p_copy_gbps") is not None:
         L += ["", f"Copy-engine P2P copy {m.get('p2p_copy_direction', '')}, 256 MB: "
-                  f"**{_fmt(m['p2p_copy_gbps'])} GB/s** [{_spread(m.get('p2p_copy_gbps_spread'))}] "
+                  f"**{fmt(m['p2p_copy_gbps'])} GB/s** [{_spread(m.get('p2p_copy_gbps_spread'))}] "
                   "(the ceiling for M2)."]
     if m.get("p2p_copy_bidir_gbps") is not None:
         L += ["", f"Both directions at once (256 MB each way, one stream pair per direction): "
-                  f"**{_fmt(m['p2p_copy_bidir_gbps'])} GB/s per direction** "
+                  f"**{fmt(m['p2p_copy_bidir_gbps'])} GB/s per direction** "
                   f"[{_spread(m.get('p2p_copy_bidir_gbps_spread'))}]: the practical ceiling of a 2-GPU "
                   "all-reduce, which moves the buffer both ways at once."]
     return L
@@ -240,14 +146,14 @@ def _flatten_md(f: Dict[str, Any]) -> List[str]:
                   f"of >= {seed['min_calls_per_repeat']} calls; time / vlseq: each method's time over `ops.flatten`'s.",
               ""]
         L += _table(["method", "µs/call", "min–max", "time / vlseq"],
-                    [[k, _fmt(t), _spread(sp.get(k)), _fmt(t / v) if v else "-"]
+                    [[k, fmt(t), _spread(sp.get(k)), fmt(t / v) if v else "-"]
                      for k, t in sorted(us.items(), key=lambda kv: kv[1])])
     if many.get("gbps_rw"):
         bw, sp, frac = many["gbps_rw"], many["gbps_rw_spread"], many.get("fraction_of_copy", {})
         L += ["", f"{many['size']} over {many['tensors']} fp32 tensors, GB/s counted as bytes read + written "
                   f"(2 × {many['bytes']:,} bytes per call); % of copy: median over the plain copy's median.", ""]
         L += _table(["method", "GB/s", "min–max", "% of copy"],
-                    [[k, _fmt(b), _spread(sp.get(k)), f"{_fmt(100 * frac[k])}%" if k in frac else "-"]
+                    [[k, fmt(b), _spread(sp.get(k)), f"{fmt(100 * frac[k])}%" if k in frac else "-"]
                      for k, b in sorted(bw.items(), key=lambda kv: -kv[1])])
     return L
 
@@ -263,9 +169,9 @@ def _train_md(train: Dict[str, Any]) -> List[str]:
         L += ["", f"## Training: {wl} ({w['model']['name']} model{' (' + model + ')' if model else ''}, "
                   f"{w['params']:,} parameters; {w['k']} sample(s) per device per step; samples/s)", ""]
         header = ["method", "devices", "samples/s", "min–max"] + [f"× {b[3:]}" for b in ratios] + ["setup s", "note"]
-        L += _table(header, [[k, str(w["num_devices"].get(k, "")), _fmt(v), _spread(sp.get(k))]
-                             + [_fmt(r.get(k)) for r in ratios.values()]
-                             + [_fmt(w.get("setup_s", {}).get(k)), w.get("notes", {}).get(k, "")]
+        L += _table(header, [[k, str(w["num_devices"].get(k, "")), fmt(v), _spread(sp.get(k))]
+                             + [fmt(r.get(k)) for r in ratios.values()]
+                             + [fmt(w.get("setup_s", {}).get(k)), w.get("notes", {}).get(k, "")]
                              for k, v in sorted(sps.items(), key=lambda kv: kv[1])])
     return L
 

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import traceback
-from typing import Any, Callable, Dict, NamedTuple, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 from .timing import stats
 
@@ -83,6 +83,15 @@ def _finite(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
+
+
+def fmt(v: Optional[float]) -> str:
+    """A measurement for the tables: thousands separators from 100 up, three significant digits below."""
+    if v is None:
+        return "-"
+    if v == 0 or abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
 
 
 def lookup(d: Dict[str, Any], path: str) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from .results import Results
-from .sweep import TARGETS, ModelSpec
+from .sweep_points import TARGETS, ModelSpec
 
 PLOT_FILE = "sweep_vs_best.png"
 
