@@ -373,6 +373,7 @@ def test_quick_cpu_run_diagnostics(quick_run):
         assert key in d["skipped"]
     assert not [k for k in d["errors"] if k.startswith("diag")], d["errors"]
     assert "## Diagnostics: merge + optimizer + sync per step" in (out / "summary.md").read_text()
+    assert "GPUs only" in d["skipped"]["diag.limits"]
 
 
 def test_sweep_and_diag_gpu_plans():
@@ -417,6 +418,30 @@ def test_sweep_and_diag_gpu_plans():
                 "diag.crossover.64KB.vlseq"} <= keys
     else:
         assert "CUDA kernels" in res.data["skipped"]["diag.kernels"]
+    assert {"diag.limits.one_lstm_h256_l2_k32", "diag.limits.one_lstm_h1024_l1_k32", "diag.limits.list_lstm_h1024_l1_k32",
+            "diag.limits.launch_ceiling.streams1", "diag.limits.launch_ceiling.streams8"} <= keys
+
+
+def test_limits_union_of_kernel_intervals_and_table():
+    from vlseq_ext.bench import limits
+    # overlapping, nested, touching and disjoint intervals, unsorted
+    assert limits._union_us([(5, 7), (0, 2), (1, 3), (1.5, 2.5), (3, 4), (10, 11)]) == pytest.approx(7.0)
+    assert limits._union_us([]) == 0.0
+    table = limits.markdown_lines({
+        "one_lstm_h256_l2_k32": {"plan": "per_sample", "wall_us_per_step": 80_000.0, "kernels_per_step": 80_000.0,
+                                 "busy_us_per_step": 150_000.0, "active_us_per_step": 70_000.0,
+                                 "kernels_in_flight": 2.14, "active_share_of_wall": 0.875, "kernels_per_s": 1e6,
+                                 "mean_kernel_us": 1.9},
+        "list_lstm_h1024_l1_k32": {"plan": "padded", "wall_us_per_step": 18_000.0, "kernels_per_step": 3000.0,
+                                   "busy_us_per_step": 17_000.0, "active_us_per_step": 17_000.0,
+                                   "kernels_in_flight": 1.0, "active_share_of_wall": 0.94, "kernels_per_s": 1.6e5,
+                                   "mean_kernel_us": 5.7, "padding_share": 0.41},
+        "launch_ceiling": {"streams1": 4e5, "streams4": 1.2e6}})
+    text = "\n".join(table)
+    assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 2.14 |" in text
+    assert "| 41% |" in text and "| 1.9 | - |" in text
+    assert "1 stream(s) 400,000, 4 stream(s) 1,200,000" in text
+    assert limits.markdown_lines({}) == []
 
 
 def test_one_sample_model_is_seq_model_that_takes_one_sample():

@@ -25,6 +25,8 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
   lanes (GPUs): one-sample LSTM (hidden 256, 2 layers; the seed's forward(x) style) at k=32 on one
       GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
       after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
+  limits (GPUs): profiles of the sweep's hardest points and the GPU's rate of tiny graph-launched
+      kernels (limits.py).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from torch import nn
 
 from .. import GradientMerger, ops
 from ..models import SeqModel
+from . import limits
 from .baselines import Feeder, make_pool
 from .merge import accepted_algos
 from .results import SIZES, Results, Skip, Task, fmt
@@ -254,6 +257,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
             add(key, lambda n=n: lanes(res, devices[0], n, budget))
         else:
             res.skip(key, "lanes replay CUDA graphs: GPUs only")
+    out += limits.tasks(devices, budget, res)
     return out, []
 
 
@@ -365,4 +369,4 @@ def markdown_lines(data: Dict[str, Any]) -> List[str]:
             L.append(f"- {k} ({p.get('samples_per_step')} samples per step, {p.get('steps')} steps): wall "
                      f"{fmt(p.get('wall_us_per_step'))}; host in ranges: {parts or '-'}"
                      + (f"; device busy: {busy}" if busy else ""))
-    return L
+    return L + limits.markdown_lines(d.get("limits") or {})

@@ -1,0 +1,144 @@
+"""What limits the sweep's hardest points, from a profile on one GPU (part of the diag suite,
+results under `diag.limits`; GPUs only).
+
+  points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
+      where one GPU of ours is slowest against the best plain one-GPU loop: one-sample LSTM h256 l2
+      and h1024 l1 at k=32, list-form LSTM h1024 l1 at k=32. A few steps under torch.profiler:
+      wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
+      union of the kernel intervals (active: the time at least one kernel runs); busy / active,
+      the mean number of kernels in flight; kernels completed per second. For the padded plan, the
+      share of the padded batch that is padding. {<point>: {...}}.
+  launch_ceiling: a CUDA graph of GRAPH_KERNELS one-element kernels, replayed on 1, 4 and 8
+      streams at once: kernels per second the GPU completes when a kernel does almost nothing, the
+      rate no graph of tiny kernels can beat. {streams<N>: kernels_per_s}.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, List
+
+import torch
+
+from ..graphs import padded_length
+from .baselines import Feeder, _adam, make_pool
+from .results import Results, Task, fmt
+from .sweep_points import POOL, ModelSpec, make_model, point_name
+from .timing import Budget, synchronizer, time_loop
+
+POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
+          ("list", ModelSpec("lstm", 1024, 1), 32))
+PROFILED_STEPS = 3
+GRAPH_KERNELS = 1000
+STREAMS = (1, 4, 8)
+
+
+def tasks(devices: List[torch.device], budget: Budget, res: Results) -> List[Task]:
+    if devices[0].type != "cuda":
+        res.skip("diag.limits", "profiles of CUDA kernels: GPUs only")
+        return []
+    dev = devices[0]
+    out = [Task("diag", f"diag.limits.{point_name(form, spec, k)}",
+                lambda form=form, spec=spec, k=k: profile_point(res, dev, form, spec, k))
+           for form, spec, k in POINTS]
+    out += [Task("diag", f"diag.limits.launch_ceiling.streams{n}",
+                 lambda n=n: launch_ceiling(res, dev, n, budget)) for n in STREAMS]
+    return out
+
+
+def _union_us(intervals: List[tuple]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k: int) -> None:
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..trainer import ParallelTrainer
+    model = make_model(spec, form).to(dev)
+    trainer = ParallelTrainer(model, _adam(model, True), nn.MSELoss(), devices=[str(dev)], samples_per_device=k,
+                              reduction="sum", cuda_graphs=True, pack="auto", process_group=None)
+    pool = make_pool(POOL, seed=0, pin=True)
+    feed, sync = Feeder(pool), synchronizer([dev])
+    steps: List[List[int]] = []
+
+    def step() -> None:
+        xs, ys = feed.next(k)
+        steps.append([x.shape[0] for x in xs])
+        trainer.step(xs, ys)
+    try:
+        step()
+        trainer.warmup(sorted({x.shape[0] for x in pool[0]}))
+        for _ in range(2):
+            step()
+        sync()
+        steps.clear()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = statistics.median(time_loop(step, sync, repeats=PROFILED_STEPS, warmup=0, iters=1))
+        plan = trainer.runner.plan
+    finally:
+        trainer.close()
+    kernels = [e for e in prof.events() if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
+    n = len(steps)
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / n
+    active = _union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / n
+    entry: Dict[str, Any] = {"plan": plan, "samples_per_step": k, "wall_us_per_step": wall * 1e6,
+                             "kernels_per_step": len(kernels) / n, "busy_us_per_step": busy,
+                             "active_us_per_step": active, "kernels_in_flight": busy / active if active else None,
+                             "active_share_of_wall": active / (wall * 1e6),
+                             "kernels_per_s": len(kernels) / n / wall,
+                             "mean_kernel_us": busy / (len(kernels) / n) if kernels else None}
+    if plan == "padded":
+        entry["padding_share"] = 1 - sum(sum(s) for s in steps) / sum(len(s) * padded_length(max(s)) for s in steps)
+    res.set(f"diag.limits.{point_name(form, spec, k)}", entry)
+
+
+def launch_ceiling(res: Results, dev: torch.device, n_streams: int, budget: Budget) -> None:
+    streams = [torch.cuda.Stream(dev) for _ in range(n_streams)]
+    graphs = []
+    for s in streams:
+        x = torch.zeros(1, device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            x.add_(1)  # the first (eager) call outside the capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(GRAPH_KERNELS):
+                    x.add_(1)
+        graphs.append((g, s))
+    sync = synchronizer([dev])
+
+    def replay_all() -> None:
+        for g, s in graphs:
+            with torch.cuda.stream(s):
+                g.replay()
+        for _, s in graphs:
+            torch.cuda.current_stream(dev).wait_stream(s)
+    ts = time_loop(replay_all, sync, repeats=budget.merge_repeats, warmup=2, target_s=0.3, min_iters=3)
+    res.set(f"diag.limits.launch_ceiling.streams{n_streams}", n_streams * GRAPH_KERNELS / statistics.median(ts))
+
+
+def markdown_lines(limits: Dict[str, Any]) -> List[str]:
+    points = {k: v for k, v in limits.items() if k != "launch_ceiling" and isinstance(v, dict)}
+    ceiling = limits.get("launch_ceiling") or {}
+    if not points and not ceiling:
+        return []
+    L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", "",
+         "busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / active.", "",
+         "| point | plan | wall µs/step | kernels/step | busy µs | active µs | active / wall | in flight | "
+         "kernels/s | µs/kernel | padding |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, e in points.items():
+        pad = e.get("padding_share")
+        L.append(f"| {name} | {e.get('plan')} | {fmt(e.get('wall_us_per_step'))} | {fmt(e.get('kernels_per_step'))} | "
+                 f"{fmt(e.get('busy_us_per_step'))} | {fmt(e.get('active_us_per_step'))} | "
+                 f"{100 * e.get('active_share_of_wall', 0):.0f}% | {fmt(e.get('kernels_in_flight'))} | "
+                 f"{fmt(e.get('kernels_per_s'))} | {fmt(e.get('mean_kernel_us'))} | "
+                 f"{f'{100 * pad:.0f}%' if pad is not None else '-'} |")
+    if ceiling:
+        L += ["", "Graph-launched one-element kernels completed per second: "
+              + ", ".join(f"{n.replace('streams', '')} stream(s) {fmt(v)}" for n, v in ceiling.items()) + "."]
+    return L
