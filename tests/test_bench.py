@@ -419,7 +419,8 @@ def test_sweep_and_diag_gpu_plans():
     else:
         assert "CUDA kernels" in res.data["skipped"]["diag.kernels"]
     assert {"diag.limits.one_lstm_h256_l2_k32", "diag.limits.one_lstm_h1024_l1_k32", "diag.limits.list_lstm_h1024_l1_k32",
-            "diag.limits.launch_ceiling.streams1", "diag.limits.launch_ceiling.streams8"} <= keys
+            "diag.limits.launch_ceiling.streams1", "diag.limits.launch_ceiling.streams8",
+            "diag.limits.batch_scaling.lstm_h1024_l1.B128"} <= keys
 
 
 def test_limits_union_of_kernel_intervals_and_table():
@@ -431,16 +432,21 @@ def test_limits_union_of_kernel_intervals_and_table():
         "one_lstm_h256_l2_k32": {"plan": "per_sample", "wall_us_per_step": 80_000.0, "kernels_per_step": 80_000.0,
                                  "busy_us_per_step": 150_000.0, "active_us_per_step": 70_000.0,
                                  "kernels_in_flight": 2.14, "active_share_of_wall": 0.875, "kernels_per_s": 1e6,
-                                 "mean_kernel_us": 1.9},
+                                 "mean_kernel_us": 1.9, "top_kernels": [
+                                     {"name": "RNN_blockPersist_fp", "per_step": 40_000.0, "mean_us": 20.0,
+                                      "share_of_busy": 0.64}]},
         "list_lstm_h1024_l1_k32": {"plan": "padded", "wall_us_per_step": 18_000.0, "kernels_per_step": 3000.0,
                                    "busy_us_per_step": 17_000.0, "active_us_per_step": 17_000.0,
                                    "kernels_in_flight": 1.0, "active_share_of_wall": 0.94, "kernels_per_s": 1.6e5,
                                    "mean_kernel_us": 5.7, "padding_share": 0.41},
+        "batch_scaling": {"lstm_h1024_l1": {"B1": 20_000.0, "B32": 21_000.0}},
         "launch_ceiling": {"streams1": 4e5, "streams4": 1.2e6}})
     text = "\n".join(table)
     assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 2.14 |" in text
     assert "| 41% |" in text and "| 1.9 | - |" in text
     assert "1 stream(s) 400,000, 4 stream(s) 1,200,000" in text
+    assert "- one_lstm_h256_l2_k32, most busy time: `RNN_blockPersist_fp` 40,000/step × 20.0 µs (64%)" in text
+    assert "- lstm_h1024_l1, every sample 480 steps, µs per step by samples per step: B=1 20,000, B=32 21,000" in text
     assert limits.markdown_lines({}) == []
 
 

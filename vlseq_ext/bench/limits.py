@@ -7,7 +7,12 @@ results under `diag.limits`; GPUs only).
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
       the mean number of kernels in flight; kernels completed per second. For the padded plan, the
-      share of the padded batch that is padding. {<point>: {...}}.
+      share of the padded batch that is padding; the kernels with the most busy time (calls per
+      step, mean µs, share). {<point>: {...}}.
+  batch_scaling: the list-form LSTM h256 l2 and h1024 l1 with every sample 480 steps long (one
+      padded graph), B = 1, 8, 32 and 128 samples per step: µs per step. A step time that barely
+      grows with B means the recurrence is bound by its per-time-step latency, not by arithmetic.
+      {<model>: {B<b>: us_per_step}}.
   launch_ceiling: a CUDA graph of GRAPH_KERNELS one-element kernels, replayed on 1, 4 and 8
       streams at once: kernels per second the GPU completes when a kernel does almost nothing, the
       rate no graph of tiny kernels can beat. {streams<N>: kernels_per_s}.
@@ -30,6 +35,11 @@ POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024
 PROFILED_STEPS = 3
 GRAPH_KERNELS = 1000
 STREAMS = (1, 4, 8)
+SCALING_MODELS = (ModelSpec("lstm", 256, 2), ModelSpec("lstm", 1024, 1))
+SCALING_BATCHES = (1, 8, 32, 128)
+SCALING_LENGTH = 480
+TOP_KERNELS = 4
+KERNEL_NAME_CHARS = 90
 
 
 def tasks(devices: List[torch.device], budget: Budget, res: Results) -> List[Task]:
@@ -40,6 +50,9 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> List[Tas
     out = [Task("diag", f"diag.limits.{point_name(form, spec, k)}",
                 lambda form=form, spec=spec, k=k: profile_point(res, dev, form, spec, k))
            for form, spec, k in POINTS]
+    out += [Task("diag", f"diag.limits.batch_scaling.{spec.name}.B{b}",
+                 lambda spec=spec, b=b: batch_scaling(res, dev, spec, b, budget))
+            for spec in SCALING_MODELS for b in SCALING_BATCHES]
     out += [Task("diag", f"diag.limits.launch_ceiling.streams{n}",
                  lambda n=n: launch_ceiling(res, dev, n, budget)) for n in STREAMS]
     return out
@@ -54,14 +67,18 @@ def _union_us(intervals: List[tuple]) -> float:
     return total
 
 
-def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k: int) -> None:
+def _trainer(dev: torch.device, form: str, spec: ModelSpec, k: int):
     from torch import nn
-    from torch.profiler import ProfilerActivity, profile
 
     from ..trainer import ParallelTrainer
     model = make_model(spec, form).to(dev)
-    trainer = ParallelTrainer(model, _adam(model, True), nn.MSELoss(), devices=[str(dev)], samples_per_device=k,
-                              reduction="sum", cuda_graphs=True, pack="auto", process_group=None)
+    return ParallelTrainer(model, _adam(model, True), nn.MSELoss(), devices=[str(dev)], samples_per_device=k,
+                           reduction="sum", cuda_graphs=True, pack="auto", process_group=None)
+
+
+def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    trainer = _trainer(dev, form, spec, k)
     pool = make_pool(POOL, seed=0, pin=True)
     feed, sync = Feeder(pool), synchronizer([dev])
     steps: List[List[int]] = []
@@ -92,9 +109,26 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
                              "active_share_of_wall": active / (wall * 1e6),
                              "kernels_per_s": len(kernels) / n / wall,
                              "mean_kernel_us": busy / (len(kernels) / n) if kernels else None}
+    by_name: Dict[str, List[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    entry["top_kernels"] = [{"name": name[:KERNEL_NAME_CHARS], "per_step": len(ts) / n, "mean_us": sum(ts) / len(ts),
+                             "share_of_busy": sum(ts) / n / busy} for name, ts in top]
     if plan == "padded":
         entry["padding_share"] = 1 - sum(sum(s) for s in steps) / sum(len(s) * padded_length(max(s)) for s in steps)
     res.set(f"diag.limits.{point_name(form, spec, k)}", entry)
+
+
+def batch_scaling(res: Results, dev: torch.device, spec: ModelSpec, batch: int, budget: Budget) -> None:
+    trainer = _trainer(dev, "list", spec, batch)
+    xs, ys = make_pool(batch, seed=3, pin=True, min_len=SCALING_LENGTH, max_len=SCALING_LENGTH)
+    try:
+        ts = time_loop(lambda: trainer.step(xs, ys), synchronizer([dev]), repeats=budget.merge_repeats, warmup=3,
+                       target_s=0.3, min_iters=3)
+    finally:
+        trainer.close()
+    res.set(f"diag.limits.batch_scaling.{spec.name}.B{batch}", statistics.median(ts) * 1e6)
 
 
 def launch_ceiling(res: Results, dev: torch.device, n_streams: int, budget: Budget) -> None:
@@ -123,9 +157,10 @@ def launch_ceiling(res: Results, dev: torch.device, n_streams: int, budget: Budg
 
 
 def markdown_lines(limits: Dict[str, Any]) -> List[str]:
-    points = {k: v for k, v in limits.items() if k != "launch_ceiling" and isinstance(v, dict)}
+    points = {k: v for k, v in limits.items() if k not in ("launch_ceiling", "batch_scaling") and isinstance(v, dict)}
+    scaling = limits.get("batch_scaling") or {}
     ceiling = limits.get("launch_ceiling") or {}
-    if not points and not ceiling:
+    if not points and not ceiling and not scaling:
         return []
     L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", "",
          "busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / active.", "",
@@ -138,6 +173,14 @@ def markdown_lines(limits: Dict[str, Any]) -> List[str]:
                  f"{100 * e.get('active_share_of_wall', 0):.0f}% | {fmt(e.get('kernels_in_flight'))} | "
                  f"{fmt(e.get('kernels_per_s'))} | {fmt(e.get('mean_kernel_us'))} | "
                  f"{f'{100 * pad:.0f}%' if pad is not None else '-'} |")
+    for name, e in points.items():
+        tops = "; ".join(f"`{t['name']}` {fmt(t['per_step'])}/step × {fmt(t['mean_us'])} µs "
+                         f"({100 * t['share_of_busy']:.0f}%)" for t in e.get("top_kernels") or [])
+        if tops:
+            L.append(f"- {name}, most busy time: {tops}")
+    for model, by_b in scaling.items():
+        L.append(f"- {model}, every sample {SCALING_LENGTH} steps, µs per step by samples per step: "
+                 + ", ".join(f"{b.replace('B', 'B=')} {fmt(v)}" for b, v in by_b.items()))
     if ceiling:
         L += ["", "Graph-launched one-element kernels completed per second: "
               + ", ".join(f"{n.replace('streams', '')} stream(s) {fmt(v)}" for n, v in ceiling.items()) + "."]
