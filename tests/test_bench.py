@@ -505,3 +505,25 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     d["train"]["sweep"]["one_lstm_h64_l1_k1"]["ratio"]["vs_ddp"] = -1
     problems = schema_problems(d)
     assert any("target.status" in p for p in problems) and any("one_lstm_h64_l1_k1.ratio" in p for p in problems)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_profiler_kernel_events_leave_out_record_function_ranges(device):
+    """The GPU-side copy of a record_function range spans a whole phase: counted as a kernel it
+    would double the busy time (and fill the gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlseq_ext.bench.timing import is_kernel
+    x = torch.ones(1 << 20, device=device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        with torch.profiler.record_function("vlseq::test_range"):
+            for _ in range(3):
+                x.add_(1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if is_kernel(e)]
+    assert not any("vlseq::test_range" in e.name for e in kernels)
+    assert len(kernels) == (3 if device == "cuda" else 0)
+    if device == "cuda":  # the range is there on the GPU side too: the filter is what leaves it out
+        assert any(e.name == "vlseq::test_range" and e.device_type.name == "CUDA" for e in prof.events())

@@ -44,7 +44,7 @@ from . import limits
 from .baselines import Feeder, make_pool
 from .merge import accepted_algos
 from .results import SIZES, Results, Skip, Task, fmt
-from .timing import Budget, synchronizer, time_loop
+from .timing import Budget, device_time_us, is_kernel, synchronizer, time_loop
 
 CROSSOVER = {"64KB": 64 << 10, "256KB": 256 << 10, "1MB": 1 << 20, "4MB": 4 << 20}
 HOST_CALLS = 50             # calls per host-time measurement
@@ -54,14 +54,6 @@ PROFILED_CALLS = 10
 
 # ------------------------------------------------------------------------------------------------
 # helpers
-def _device_time_us(event: Any) -> float:
-    return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0))
-
-
-def _is_gpu_event(event: Any) -> bool:
-    return getattr(getattr(event, "device_type", None), "name", "") == "CUDA"
-
-
 def kernel_us(fn: Callable[[], object], sync: Callable[[], None], match: Callable[[str], bool],
               calls: int = PROFILED_CALLS) -> Optional[float]:
     """GPU time per call of the kernels whose name `match`es (torch.profiler), None when none ran."""
@@ -72,7 +64,7 @@ def kernel_us(fn: Callable[[], object], sync: Callable[[], None], match: Callabl
         for _ in range(calls):
             fn()
         sync()
-    times = [_device_time_us(e) for e in prof.events() if _is_gpu_event(e) and match(e.name)]
+    times = [device_time_us(e) for e in prof.events() if is_kernel(e) and match(e.name)]
     return sum(times) / calls if times else None
 
 
@@ -322,9 +314,9 @@ def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Bu
     ranges: Dict[str, float] = {}
     busy: Dict[str, float] = {}
     for e in prof.events():
-        if _is_gpu_event(e):
+        if is_kernel(e):
             key = f"cuda:{getattr(e, 'device_index', 0)}"
-            busy[key] = busy.get(key, 0.0) + _device_time_us(e) / steps
+            busy[key] = busy.get(key, 0.0) + device_time_us(e) / steps
         elif e.name.startswith("vlseq::"):
             ranges[e.name] = ranges.get(e.name, 0.0) + float(e.cpu_time_total) / steps
     res.set(f"diag.trainer_phases.k{k}", {"steps": steps, "samples_per_step": n,

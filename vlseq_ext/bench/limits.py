@@ -28,7 +28,7 @@ from ..graphs import padded_length
 from .baselines import Feeder, _adam, make_pool
 from .results import Results, Task, fmt
 from .sweep_points import POOL, ModelSpec, make_model, point_name
-from .timing import Budget, synchronizer, time_loop
+from .timing import Budget, is_kernel, synchronizer, time_loop
 
 POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
           ("list", ModelSpec("lstm", 1024, 1), 32))
@@ -99,7 +99,7 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
         plan = trainer.runner.plan
     finally:
         trainer.close()
-    kernels = [e for e in prof.events() if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
+    kernels = [e for e in prof.events() if is_kernel(e)]
     n = len(steps)
     busy = sum(e.time_range.end - e.time_range.start for e in kernels) / n
     active = _union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / n

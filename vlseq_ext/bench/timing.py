@@ -1,4 +1,5 @@
-"""The one timing helper every benchmark uses: warm-up, calibration, synchronized repeats.
+"""The one timing helper every benchmark uses: warm-up, calibration, synchronized repeats (and
+which profiler events are GPU work).
 
 Timing is by synchronized loops: synchronize every device involved, run `fn` `iters` times with
 no synchronization inside the loop, synchronize again; the time per call is the wall time over
@@ -10,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,6 +22,17 @@ def stats(values: Sequence[float]) -> Stat:
     """{median, min, max, n} of the repeats."""
     vals = [float(v) for v in values]
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def is_kernel(event: Any) -> bool:
+    """A torch.profiler event that is GPU work (a kernel, copy or set), not the GPU-side copy of a
+    record_function range: those span whole phases and would count as kernel time."""
+    return (getattr(getattr(event, "device_type", None), "name", "") == "CUDA"
+            and not getattr(event, "is_user_annotation", False))
+
+
+def device_time_us(event: Any) -> float:
+    return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0))
 
 
 def synchronizer(devices: Sequence[torch.device]) -> Callable[[], None]:
