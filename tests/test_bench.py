@@ -434,7 +434,9 @@ def test_limits_union_of_kernel_intervals_and_table():
                                  "kernels_in_flight": 2.14, "active_share_of_wall": 0.875, "kernels_per_s": 1e6,
                                  "mean_kernel_us": 1.9, "top_kernels": [
                                      {"name": "RNN_blockPersist_fp", "per_step": 40_000.0, "mean_us": 20.0,
-                                      "share_of_busy": 0.64}]},
+                                      "share_of_busy": 0.64}],
+                                 "graph_launches_per_step": 32.0, "host_us_per_graph_launch": 2500.0,
+                                 "host_launch_share_of_wall": 0.98},
         "list_lstm_h1024_l1_k32": {"plan": "padded", "wall_us_per_step": 18_000.0, "kernels_per_step": 3000.0,
                                    "busy_us_per_step": 17_000.0, "active_us_per_step": 17_000.0,
                                    "kernels_in_flight": 1.0, "active_share_of_wall": 0.94, "kernels_per_s": 1.6e5,
@@ -445,6 +447,7 @@ def test_limits_union_of_kernel_intervals_and_table():
     assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 2.14 |" in text
     assert "| 41% |" in text and "| 1.9 | - |" in text
     assert "1 stream(s) 400,000, 4 stream(s) 1,200,000" in text
+    assert "- one_lstm_h256_l2_k32, host: 32.0 graph launches per step, 2,500 µs each, 98% of the wall" in text
     assert "- one_lstm_h256_l2_k32, most busy time: `RNN_blockPersist_fp` 40,000/step × 20.0 µs (64%)" in text
     assert "- lstm_h1024_l1, every sample 480 steps, µs per step by samples per step: B=1 20,000, B=32 21,000" in text
     assert limits.markdown_lines({}) == []

@@ -8,7 +8,8 @@ results under `diag.limits`; GPUs only).
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
       the mean number of kernels in flight; kernels completed per second. For the padded plan, the
       share of the padded batch that is padding; the kernels with the most busy time (calls per
-      step, mean µs, share). {<point>: {...}}.
+      step, mean µs, share); the host's time per cudaGraphLaunch and its share of the wall time.
+      {<point>: {...}}.
   batch_scaling: the list-form LSTM h256 l2 and h1024 l1 with every sample 480 steps long (one
       padded graph), B = 1, 8, 32 and 128 samples per step: µs per step. A step time that barely
       grows with B means the recurrence is bound by its per-time-step latency, not by arithmetic.
@@ -109,6 +110,11 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
                              "active_share_of_wall": active / (wall * 1e6),
                              "kernels_per_s": len(kernels) / n / wall,
                              "mean_kernel_us": busy / (len(kernels) / n) if kernels else None}
+    launches = [e.time_range.end - e.time_range.start for e in prof.events()
+                if e.name == "cudaGraphLaunch" and not is_kernel(e)]
+    if launches:  # the host's time in graph launches: each replays a whole sample or padded batch
+        entry.update(graph_launches_per_step=len(launches) / n, host_us_per_graph_launch=sum(launches) / len(launches),
+                     host_launch_share_of_wall=sum(launches) / n / (wall * 1e6))
     by_name: Dict[str, List[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
@@ -178,6 +184,10 @@ def markdown_lines(limits: Dict[str, Any]) -> List[str]:
                          f"({100 * t['share_of_busy']:.0f}%)" for t in e.get("top_kernels") or [])
         if tops:
             L.append(f"- {name}, most busy time: {tops}")
+        if e.get("host_us_per_graph_launch") is not None:
+            L.append(f"- {name}, host: {fmt(e['graph_launches_per_step'])} graph launches per step, "
+                     f"{fmt(e['host_us_per_graph_launch'])} µs each, {100 * e['host_launch_share_of_wall']:.0f}% "
+                     "of the wall time")
     for model, by_b in scaling.items():
         L.append(f"- {model}, every sample {SCALING_LENGTH} steps, µs per step by samples per step: "
                  + ", ".join(f"{b.replace('B', 'B=')} {fmt(v)}" for b, v in by_b.items()))
