@@ -420,7 +420,7 @@ def test_sweep_and_diag_gpu_plans():
         assert "CUDA kernels" in res.data["skipped"]["diag.kernels"]
     assert {"diag.limits.one_lstm_h256_l2_k32", "diag.limits.one_lstm_h1024_l1_k32", "diag.limits.list_lstm_h1024_l1_k32",
             "diag.limits.launch_ceiling.streams1", "diag.limits.launch_ceiling.streams8",
-            "diag.limits.batch_scaling.lstm_h1024_l1.B128"} <= keys
+            "diag.limits.batch_scaling.lstm_h1024_l1.B128", "diag.limits.launch_threads.threads4"} <= keys
 
 
 def test_limits_union_of_kernel_intervals_and_table():
@@ -442,6 +442,7 @@ def test_limits_union_of_kernel_intervals_and_table():
                                    "kernels_in_flight": 1.0, "active_share_of_wall": 0.94, "kernels_per_s": 1.6e5,
                                    "mean_kernel_us": 5.7, "padding_share": 0.41},
         "batch_scaling": {"lstm_h1024_l1": {"B1": 20_000.0, "B32": 21_000.0}},
+        "launch_threads": {"threads1": 400.0, "threads4": 1100.0},
         "launch_ceiling": {"streams1": 4e5, "streams4": 1.2e6}})
     text = "\n".join(table)
     assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 2.14 |" in text
@@ -450,6 +451,7 @@ def test_limits_union_of_kernel_intervals_and_table():
     assert "- one_lstm_h256_l2_k32, host: 32.0 graph launches per step, 2,500 µs each, 98% of the wall" in text
     assert "- one_lstm_h256_l2_k32, most busy time: `RNN_blockPersist_fp` 40,000/step × 20.0 µs (64%)" in text
     assert "- lstm_h1024_l1, every sample 480 steps, µs per step by samples per step: B=1 20,000, B=32 21,000" in text
+    assert "samples/s by issuing host threads: 1 thread(s) 400, 4 thread(s) 1,100" in text
     assert limits.markdown_lines({}) == []
 
 

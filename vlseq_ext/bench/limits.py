@@ -14,6 +14,11 @@ results under `diag.limits`; GPUs only).
       padded graph), B = 1, 8, 32 and 128 samples per step: µs per step. A step time that barely
       grows with B means the recurrence is bound by its per-time-step latency, not by arithmetic.
       {<model>: {B<b>: us_per_step}}.
+  launch_threads: the one-sample LSTM h256 l2's forward + backward for one 275-step sample,
+      captured once per stream on 4 streams (its own model copy each), 32 replays per round issued
+      by 1, 2 or 4 host threads (the streams split between them): samples per second. Says whether
+      the host's cudaGraphLaunch time, which grows with the graph's node count, parallelizes over
+      threads on one device. {threads<N>: samples_per_s}.
   launch_ceiling: a CUDA graph of GRAPH_KERNELS one-element kernels, replayed on 1, 4 and 8
       streams at once: kernels per second the GPU completes when a kernel does almost nothing, the
       rate no graph of tiny kernels can beat. {streams<N>: kernels_per_s}.
@@ -36,6 +41,10 @@ POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024
 PROFILED_STEPS = 3
 GRAPH_KERNELS = 1000
 STREAMS = (1, 4, 8)
+LAUNCH_THREADS = (1, 2, 4)
+LAUNCH_STREAMS = 4
+LAUNCH_SAMPLE_LENGTH = 275
+LAUNCH_REPLAYS = 32
 SCALING_MODELS = (ModelSpec("lstm", 256, 2), ModelSpec("lstm", 1024, 1))
 SCALING_BATCHES = (1, 8, 32, 128)
 SCALING_LENGTH = 480
@@ -54,6 +63,8 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> List[Tas
     out += [Task("diag", f"diag.limits.batch_scaling.{spec.name}.B{b}",
                  lambda spec=spec, b=b: batch_scaling(res, dev, spec, b, budget))
             for spec in SCALING_MODELS for b in SCALING_BATCHES]
+    out += [Task("diag", f"diag.limits.launch_threads.threads{n}", lambda n=n: launch_threads(res, dev, n, budget))
+            for n in LAUNCH_THREADS]
     out += [Task("diag", f"diag.limits.launch_ceiling.streams{n}",
                  lambda n=n: launch_ceiling(res, dev, n, budget)) for n in STREAMS]
     return out
@@ -137,6 +148,42 @@ def batch_scaling(res: Results, dev: torch.device, spec: ModelSpec, batch: int, 
     res.set(f"diag.limits.batch_scaling.{spec.name}.B{batch}", statistics.median(ts) * 1e6)
 
 
+def launch_threads(res: Results, dev: torch.device, n_threads: int, budget: Budget) -> None:
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.nn.functional as F
+    base = make_model(ModelSpec("lstm", 256, 2), "one").to(dev)
+    x = torch.randn(LAUNCH_SAMPLE_LENGTH, base.lstm.input_size, device=dev)
+    y = torch.randn(1, 1, device=dev)
+    lanes = []
+    for _ in range(LAUNCH_STREAMS):
+        model, stream = copy.deepcopy(base), torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            F.mse_loss(model(x), y).backward()  # the first run eagerly, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                F.mse_loss(model(x), y).backward()
+        lanes.append((graph, stream))
+    torch.cuda.synchronize(dev)
+    share = [lanes[t::n_threads] for t in range(n_threads)]  # each thread its own streams
+
+    def issue(mine: list) -> None:
+        with torch.cuda.device(dev):
+            for _ in range(LAUNCH_REPLAYS // LAUNCH_STREAMS):
+                for graph, stream in mine:
+                    with torch.cuda.stream(stream):
+                        graph.replay()
+
+    with ThreadPoolExecutor(n_threads) as pool:
+        def round_() -> None:
+            list(pool.map(issue, share))
+        ts = time_loop(round_, synchronizer([dev]), repeats=budget.merge_repeats, warmup=2, target_s=0.5,
+                       min_iters=2)
+    res.set(f"diag.limits.launch_threads.threads{n_threads}", LAUNCH_REPLAYS / statistics.median(ts))
+
+
 def launch_ceiling(res: Results, dev: torch.device, n_streams: int, budget: Budget) -> None:
     streams = [torch.cuda.Stream(dev) for _ in range(n_streams)]
     graphs = []
@@ -163,10 +210,12 @@ def launch_ceiling(res: Results, dev: torch.device, n_streams: int, budget: Budg
 
 
 def markdown_lines(limits: Dict[str, Any]) -> List[str]:
-    points = {k: v for k, v in limits.items() if k not in ("launch_ceiling", "batch_scaling") and isinstance(v, dict)}
+    points = {k: v for k, v in limits.items()
+              if k not in ("launch_ceiling", "batch_scaling", "launch_threads") and isinstance(v, dict)}
+    threads = limits.get("launch_threads") or {}
     scaling = limits.get("batch_scaling") or {}
     ceiling = limits.get("launch_ceiling") or {}
-    if not points and not ceiling and not scaling:
+    if not points and not ceiling and not scaling and not threads:
         return []
     L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", "",
          "busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / active.", "",
@@ -191,6 +240,10 @@ def markdown_lines(limits: Dict[str, Any]) -> List[str]:
     for model, by_b in scaling.items():
         L.append(f"- {model}, every sample {SCALING_LENGTH} steps, µs per step by samples per step: "
                  + ", ".join(f"{b.replace('B', 'B=')} {fmt(v)}" for b, v in by_b.items()))
+    if threads:
+        L.append(f"- one-sample LSTM h256 l2 graphs ({LAUNCH_SAMPLE_LENGTH} steps) on {LAUNCH_STREAMS} streams, "
+                 "samples/s by issuing host threads: "
+                 + ", ".join(f"{n.replace('threads', '')} thread(s) {fmt(v)}" for n, v in threads.items()))
     if ceiling:
         L += ["", "Graph-launched one-element kernels completed per second: "
               + ", ".join(f"{n.replace('streams', '')} stream(s) {fmt(v)}" for n, v in ceiling.items()) + "."]
