@@ -14,9 +14,9 @@ results under `diag.limits`; GPUs only).
       padded graph), B = 1, 8, 32 and 128 samples per step: µs per step. A step time that barely
       grows with B means the recurrence is bound by its per-time-step latency, not by arithmetic.
       {<model>: {B<b>: us_per_step}}.
-  launch_threads: the one-sample LSTM h256 l2's forward + backward for one 275-step sample,
-      captured once per stream on 4 streams (its own model copy each), 32 replays per round issued
-      by 1, 2 or 4 host threads (the streams split between them): samples per second. Says whether
+  launch_threads: the trainer's per-sample graphs of the one-sample LSTM h256 l2 (one 275-step
+      sample) on its 4 lanes (streams) of one GPU, 32 replays per round issued by 1, 2 or 4 host
+      threads (the lanes split between them): samples per second. Says whether
       the host's cudaGraphLaunch time, which grows with the graph's node count, parallelizes over
       threads on one device. {threads<N>: samples_per_s}.
   launch_ceiling: a CUDA graph of GRAPH_KERNELS one-element kernels, replayed on 1, 4 and 8
@@ -149,38 +149,27 @@ def batch_scaling(res: Results, dev: torch.device, spec: ModelSpec, batch: int, 
 
 
 def launch_threads(res: Results, dev: torch.device, n_threads: int, budget: Budget) -> None:
-    import copy
     from concurrent.futures import ThreadPoolExecutor
+    trainer = _trainer(dev, "one", ModelSpec("lstm", 256, 2), LAUNCH_STREAMS)  # k = 4: 4 lanes
+    try:
+        trainer.warmup([LAUNCH_SAMPLE_LENGTH])  # every lane captures the length
+        lanes, caches = trainer.replicas.lanes[0], trainer.runner.sample_graphs[0]
+        x = torch.randn(LAUNCH_SAMPLE_LENGTH, 36, device=dev)
+        y = torch.randn(1, 1, device=dev)
+        share = [list(range(len(lanes)))[t::n_threads] for t in range(n_threads)]  # each thread its own lanes
 
-    import torch.nn.functional as F
-    base = make_model(ModelSpec("lstm", 256, 2), "one").to(dev)
-    x = torch.randn(LAUNCH_SAMPLE_LENGTH, base.lstm.input_size, device=dev)
-    y = torch.randn(1, 1, device=dev)
-    lanes = []
-    for _ in range(LAUNCH_STREAMS):
-        model, stream = copy.deepcopy(base), torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            F.mse_loss(model(x), y).backward()  # the first run eagerly, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                F.mse_loss(model(x), y).backward()
-        lanes.append((graph, stream))
-    torch.cuda.synchronize(dev)
-    share = [lanes[t::n_threads] for t in range(n_threads)]  # each thread its own streams
+        def issue(mine: List[int]) -> None:
+            with torch.cuda.device(dev):
+                for _ in range(LAUNCH_REPLAYS // len(lanes)):
+                    for i in mine:
+                        with torch.cuda.stream(lanes[i].stream):
+                            caches[i].run(x, y)
 
-    def issue(mine: list) -> None:
-        with torch.cuda.device(dev):
-            for _ in range(LAUNCH_REPLAYS // LAUNCH_STREAMS):
-                for graph, stream in mine:
-                    with torch.cuda.stream(stream):
-                        graph.replay()
-
-    with ThreadPoolExecutor(n_threads) as pool:
-        def round_() -> None:
-            list(pool.map(issue, share))
-        ts = time_loop(round_, synchronizer([dev]), repeats=budget.merge_repeats, warmup=2, target_s=0.5,
-                       min_iters=2)
+        with ThreadPoolExecutor(n_threads) as pool:
+            ts = time_loop(lambda: list(pool.map(issue, share)), synchronizer([dev]), repeats=budget.merge_repeats,
+                           warmup=2, target_s=0.5, min_iters=2)
+    finally:
+        trainer.close()
     res.set(f"diag.limits.launch_threads.threads{n_threads}", LAUNCH_REPLAYS / statistics.median(ts))
 
 
