@@ -453,6 +453,8 @@ def test_limits_union_of_kernel_intervals_and_table():
     assert "- lstm_h1024_l1, every sample 480 steps, µs per step by samples per step: B=1 20,000, B=32 21,000" in text
     assert "samples/s by issuing host threads: 1 thread(s) 400, 4 thread(s) 1,100" in text
     assert limits.markdown_lines({}) == []
+    only_threads = "\n".join(limits.markdown_lines({"launch_threads": {"threads1": 400.0}}))
+    assert "| point |" not in only_threads and "1 thread(s) 400" in only_threads
 
 
 def test_one_sample_model_is_seq_model_that_takes_one_sample():

@@ -206,10 +206,11 @@ def markdown_lines(limits: Dict[str, Any]) -> List[str]:
     ceiling = limits.get("launch_ceiling") or {}
     if not points and not ceiling and not scaling and not threads:
         return []
-    L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", "",
-         "busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / active.", "",
-         "| point | plan | wall µs/step | kernels/step | busy µs | active µs | active / wall | in flight | "
-         "kernels/s | µs/kernel | padding |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", ""]
+    if points:
+        L += ["busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / "
+              "active.", "", "| point | plan | wall µs/step | kernels/step | busy µs | active µs | active / wall | "
+              "in flight | kernels/s | µs/kernel | padding |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in points.items():
         pad = e.get("padding_share")
         L.append(f"| {name} | {e.get('plan')} | {fmt(e.get('wall_us_per_step'))} | {fmt(e.get('kernels_per_step'))} | "
