@@ -3,7 +3,8 @@ results under `diag.limits`; GPUs only).
 
   points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
       where one GPU of ours is slowest against the best plain one-GPU loop: one-sample LSTM h256 l2
-      and h1024 l1 at k=32, list-form LSTM h1024 l1 at k=32. A few steps under torch.profiler:
+      and h1024 l1 at k=32, list-form LSTM h1024 l1 at k=32. A few steps back to back (one sync at
+      the end) under torch.profiler:
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
       the mean number of kernels in flight; kernels completed per second. For the padded plan, the
@@ -38,7 +39,7 @@ from .timing import Budget, is_kernel, synchronizer, time_loop
 
 POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
           ("list", ModelSpec("lstm", 1024, 1), 32))
-PROFILED_STEPS = 3
+PROFILED_STEPS = 4
 GRAPH_KERNELS = 1000
 STREAMS = (1, 4, 8)
 LAUNCH_THREADS = (1, 2, 4)
@@ -107,7 +108,8 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
         sync()
         steps.clear()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = statistics.median(time_loop(step, sync, repeats=PROFILED_STEPS, warmup=0, iters=1))
+            # back to back, as training runs them: the host may queue a step while the GPU runs the last
+            wall = time_loop(step, sync, repeats=1, warmup=0, iters=PROFILED_STEPS)[0]
         plan = trainer.runner.plan
     finally:
         trainer.close()
