@@ -241,9 +241,9 @@ def test_gpu_stress_1000_steps_same_bits(model_name, no_tf32):
 @requires_cuda
 @pytest.mark.parametrize("where", ["pageable", "pinned", "cuda"])
 def test_gpu_padded_steps_back_to_back_each_train_on_their_own_samples(where, no_tf32):
-    """Padded batches are staged through pinned host buffers that the next step reuses: ten SGD steps
-    queued with no host sync in between, every batch in the same padded shape, must equal ten float64
-    steps taken one by one. (Samples already on the GPU take the direct path.)"""
+    """Every step refills the same padded graph's input buffers while the last replay may still run:
+    ten SGD steps queued with no host sync in between, every batch in the same padded shape, from
+    pageable, pinned and GPU memory, must equal ten float64 steps taken one by one."""
     gen = torch.Generator().manual_seed(21)
     model = MODELS["list_lstm2"]()
     ref = copy.deepcopy(model).double()
@@ -268,7 +268,8 @@ def test_gpu_padded_steps_back_to_back_each_train_on_their_own_samples(where, no
     assert [s["graphs"] for s in trainer.graph_stats()][:1] == [1]
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         err = (p.detach().double().cpu() - q.detach()).norm().item()
-        assert err <= 1e-5 * q.norm().item(), f"{name}: relative error {err / q.norm().item():.2e}"
+        # (plus an absolute floor: fc.bias can end near 0; a step on the wrong samples moves it by ~1e-2)
+        assert err <= 1e-5 * q.norm().item() + 1e-6, f"{name}: error {err:.2e}, norm {q.norm().item():.2e}"
 
 
 @requires_cuda

@@ -225,15 +225,10 @@ class SampleGraphs(_Cache):
 
 
 class _PaddedEntry:
-    __slots__ = ("x", "lengths", "y", "graph", "host_x", "host_lengths", "copied")
+    __slots__ = ("x", "lengths", "y", "graph")
 
     def __init__(self, x: Tensor, lengths: Tensor, y: Tensor) -> None:
         self.x, self.lengths, self.y, self.graph = x, lengths, y, None
-        # Pinned staging buffers for samples that come from host memory, and the event after the last
-        # copy out of them (allocated on first use).
-        self.host_x: Optional[Tensor] = None
-        self.host_lengths: Optional[Tensor] = None
-        self.copied: Optional[torch.cuda.Event] = None
 
 
 class PaddedGraphs(_Cache):
@@ -284,32 +279,11 @@ class PaddedGraphs(_Cache):
             return
         e.graph = self._eager_then_capture(lambda: self._step(e), self.num_graphs())
 
-    def _fill(self, e: _PaddedEntry, xs: List[Tensor], lengths: List[int], y: Tensor) -> None:
-        if all(x.device.type == "cpu" for x in xs):
-            self._fill_from_host(e, xs, lengths)
-        else:
-            L = max(lengths)
-            e.x[:, :L].copy_(pad_sequence([x.to(self.device) for x in xs], batch_first=True), non_blocking=True)
-            if L < e.x.shape[1]:
-                e.x[:, L:].zero_()
-            e.lengths.copy_(torch.tensor(lengths, dtype=torch.int64), non_blocking=True)
+    @staticmethod
+    def _fill(e: _PaddedEntry, xs: List[Tensor], lengths: List[int], y: Tensor) -> None:
+        L = max(lengths)
+        e.x[:, :L].copy_(pad_sequence(xs, batch_first=True), non_blocking=True)
+        if L < e.x.shape[1]:
+            e.x[:, L:].zero_()
+        e.lengths.copy_(torch.tensor(lengths, dtype=torch.int64), non_blocking=True)
         e.y.copy_(y, non_blocking=True)
-
-    def _fill_from_host(self, e: _PaddedEntry, xs: List[Tensor], lengths: List[int]) -> None:
-        """Pads on the host into pinned buffers, then copies them asynchronously. A copy from pageable
-        memory waits for the stream's queued work (seen on an H200: a 21.4 ms padded step of which the
-        GPU ran 15.7 ms), so the host could not queue the next step while the GPU runs this one. The
-        buffers are reused once their last copy is done (the host runs at most one step ahead)."""
-        if e.host_x is None:
-            e.host_x = torch.empty(e.x.shape, dtype=e.x.dtype, pin_memory=True)
-            e.host_lengths = torch.empty(e.lengths.shape, dtype=torch.int64, pin_memory=True)
-            e.copied = torch.cuda.Event()
-        else:
-            e.copied.synchronize()
-        for i, (x, n) in enumerate(zip(xs, lengths)):
-            e.host_x[i, :n].copy_(x)
-            e.host_x[i, n:].zero_()
-        e.host_lengths.copy_(torch.tensor(lengths, dtype=torch.int64))
-        e.x.copy_(e.host_x, non_blocking=True)
-        e.lengths.copy_(e.host_lengths, non_blocking=True)
-        e.copied.record(torch.cuda.current_stream(self.device))
