@@ -139,8 +139,10 @@ def synthetic(num_samples: int = 2000, seed: int = 0, num_features: int = 36, mi
               max_length: int = 500) -> RaggedDataset:
     """The built-in demo regression set, deterministic given `seed`: lengths uniform in
     [min_length, max_length]; each sequence is a per-sample random level plus unit noise per step;
-    the target is a fixed random linear function of the sequence mean plus half a second one of
-    the mean of its last 3 steps, plus N(0, 0.05^2) noise. Learnable, so the loss visibly falls."""
+    the target is a random linear function of the sequence mean plus half a second one of the mean
+    of its last 3 steps, plus N(0, 0.05^2) noise. Learnable, so the loss visibly falls. The functions
+    are drawn from the same generator after the lengths: another seed, sample count or length range
+    gives another task, not new samples of this one."""
     rng = np.random.default_rng([seed, 36])
     lengths = rng.integers(min_length, max_length + 1, num_samples)
     w, v = rng.standard_normal((2, num_features)) / math.sqrt(num_features)
