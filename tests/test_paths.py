@@ -340,6 +340,20 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
     torch.nn.functional.dropout(torch.ones(10, device="cuda:0"), 0.5)
 
 
+def test_slow_plan_note_names_wide_one_sample_models_only():
+    from vlseq_ext.execution import slow_plan_note
+    wide, narrow = OneSampleLSTM(hidden=256), OneSampleLSTM(hidden=64)
+    note = slow_plan_note("per_sample", wide, 32, "auto", True)
+    assert "recurrent width is 256" in note and "forward_padded" in note and "32 samples per GPU" in note
+    assert slow_plan_note("per_sample", OneSampleLSTM(hidden=128, layers=2), 8, "auto", True) is not None
+    for args in (("per_sample", narrow, 32, "auto", True),   # narrow: per-sample graphs are the fast plan
+                 ("per_sample", wide, 1, "auto", True),      # one sample per GPU: nothing to batch
+                 ("per_sample", wide, 32, False, True),      # asked for
+                 ("per_sample", wide, 32, "auto", False),    # no graphs (CPU): eager either way
+                 ("padded", wide, 32, "auto", True), ("packed", wide, 32, "auto", True)):
+        assert slow_plan_note(*args) is None, args
+
+
 def test_first_step_probes_draw_no_random_numbers():
     """The first step probes the model (output shape, list support) in eval mode: a dropout model
     draws no random numbers there, so a resumed run repeats the uninterrupted one's masks."""
@@ -352,6 +366,26 @@ def test_first_step_probes_draw_no_random_numbers():
     trainer.runner.accepts_list(xs)
     assert torch.equal(before, torch.get_rng_state())
     assert model.training
+
+
+@requires_cuda
+def test_gpu_wide_one_sample_model_warns_once_and_trains(no_tf32):
+    from vlseq_ext import SlowPlanWarning
+    gen = torch.Generator().manual_seed(5)
+    model = OneSampleLSTM(hidden=256).cuda(0)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
+                              samples_per_device=2)
+    xs, ys = batch(2 * gpus(), gen, max_len=12)
+    with pytest.warns(SlowPlanWarning, match="recurrent width is 256"):
+        trainer.compute_gradients(xs, ys)
+    assert trainer.runner.plan == "per_sample"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPlanWarning)
+        trainer.compute_gradients(xs, ys)  # the plan is chosen once
+        quiet = SeqModel(input_dim=6, hidden_dim=256).cuda(0)  # has forward_padded: no warning
+        ParallelTrainer(quiet, torch.optim.SGD(quiet.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
+                        samples_per_device=2).compute_gradients(xs, ys)
+    assert_close_to(model, reference(model, xs, ys, "sum"), 3e-5)
 
 
 @requires_cuda

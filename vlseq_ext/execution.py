@@ -11,6 +11,7 @@ Three plans, the same gradient (the float64 per-sample reference) either way:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -24,6 +25,26 @@ from .scheduling import PER_SAMPLE_GRAPH_MAX_WIDTH, recurrent_width
 # Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). A
 # probe on one H200 (LSTM 512x2, L=300): 4 streams replay at 1.36x one stream.
 MAX_LANES = 4
+
+
+class SlowPlanWarning(UserWarning):
+    """The model can only run the slow way on this trainer: see the message for what would help."""
+
+
+def slow_plan_note(plan: str, model: nn.Module, samples_per_device: int, pack, cuda_graphs: bool) -> Optional[str]:
+    """Why the chosen plan will be slow, when it will be: a wide one-sample model at k > 1 runs one
+    batch-1 graph per sample, a chain of tiny dependent kernels per sample (BENCHMARKS.md, diag.limits:
+    about a quarter of a plain packed one-GPU loop at LSTM 256x2 or 1024, k=32, on an H200). None
+    when the plan is fine or was asked for (pack=False)."""
+    width = recurrent_width(model)
+    if plan != "per_sample" or not cuda_graphs or samples_per_device < 2 or pack is False \
+            or width < PER_SAMPLE_GRAPH_MAX_WIDTH:
+        return None
+    return (f"vlseq_ext: the model takes one sample at a time (no forward_padded, and forward does not take a "
+            f"list) and its recurrent width is {width}: each of the {samples_per_device} samples per GPU runs as "
+            "its own batch-1 CUDA graph, which is latency-bound (about a quarter of a packed one-GPU loop at "
+            "this width). Give the model forward_padded(x, lengths) (SeqModel shows how) or let forward take "
+            "a list of samples, and they run as one batch.")
 
 
 class DeviceRunner:
@@ -94,6 +115,9 @@ class DeviceRunner:
         if self.plan is not None:
             return
         self.plan = self.choose_plan(xs)
+        note = slow_plan_note(self.plan, self.model, self.samples_per_device, self.pack, self.cuda_graphs)
+        if note:
+            warnings.warn(note, SlowPlanWarning, stacklevel=2)
         lanes = self._lanes_asked or (min(self.samples_per_device, MAX_LANES)
                                       if self.plan == "per_sample" and self.cuda_graphs else 1)
         self.replicas.ensure_lanes(lanes)
