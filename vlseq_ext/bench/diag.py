@@ -25,8 +25,8 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
   lanes (GPUs): one-sample LSTM (hidden 256, 2 layers; the seed's forward(x) style) at k=32 on one
       GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
       after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
-  limits (GPUs): profiles of the sweep's hardest points and the GPU's rate of tiny graph-launched
-      kernels (limits.py).
+  limits (GPUs): what limits the sweep's hardest points: their profiles, step time against batch
+      size, host threads issuing one GPU's graph launches, the GPU's rate of tiny kernels (limits.py).
 """
 from __future__ import annotations
 

@@ -32,9 +32,10 @@ from typing import Any, Dict, List
 import torch
 
 from ..graphs import padded_length
-from .baselines import Feeder, _adam, make_pool
+from .baselines import Feeder, make_pool
 from .results import Results, Task, fmt
-from .sweep_points import POOL, ModelSpec, make_model, point_name
+from .sweep import point_trainer
+from .sweep_points import POOL, ModelSpec, point_name
 from .timing import Budget, is_kernel, synchronizer, time_loop
 
 POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
@@ -80,18 +81,9 @@ def _union_us(intervals: List[tuple]) -> float:
     return total
 
 
-def _trainer(dev: torch.device, form: str, spec: ModelSpec, k: int):
-    from torch import nn
-
-    from ..trainer import ParallelTrainer
-    model = make_model(spec, form).to(dev)
-    return ParallelTrainer(model, _adam(model, True), nn.MSELoss(), devices=[str(dev)], samples_per_device=k,
-                           reduction="sum", cuda_graphs=True, pack="auto", process_group=None)
-
-
 def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k: int) -> None:
     from torch.profiler import ProfilerActivity, profile
-    trainer = _trainer(dev, form, spec, k)
+    trainer = point_trainer(spec, form, k, [dev], fused=True)
     pool = make_pool(POOL, seed=0, pin=True)
     feed, sync = Feeder(pool), synchronizer([dev])
     steps: List[List[int]] = []
@@ -140,7 +132,7 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
 
 
 def batch_scaling(res: Results, dev: torch.device, spec: ModelSpec, batch: int, budget: Budget) -> None:
-    trainer = _trainer(dev, "list", spec, batch)
+    trainer = point_trainer(spec, "list", batch, [dev], fused=True)
     xs, ys = make_pool(batch, seed=3, pin=True, min_len=SCALING_LENGTH, max_len=SCALING_LENGTH)
     try:
         ts = time_loop(lambda: trainer.step(xs, ys), synchronizer([dev]), repeats=budget.merge_repeats, warmup=3,
@@ -152,7 +144,7 @@ def batch_scaling(res: Results, dev: torch.device, spec: ModelSpec, batch: int, 
 
 def launch_threads(res: Results, dev: torch.device, n_threads: int, budget: Budget) -> None:
     from concurrent.futures import ThreadPoolExecutor
-    trainer = _trainer(dev, "one", ModelSpec("lstm", 256, 2), LAUNCH_STREAMS)  # k = 4: 4 lanes
+    trainer = point_trainer(ModelSpec("lstm", 256, 2), "one", LAUNCH_STREAMS, [dev], fused=True)  # k = 4: 4 lanes
     try:
         trainer.warmup([LAUNCH_SAMPLE_LENGTH])  # every lane captures the length
         lanes, caches = trainer.replicas.lanes[0], trainer.runner.sample_graphs[0]

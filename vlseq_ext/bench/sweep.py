@@ -85,13 +85,19 @@ def _per_sample_step(model: nn.Module, opt: torch.optim.Optimizer, feed: Feeder,
     return step
 
 
-def _trainer_loop(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], pool: Pool, fused: bool,
-                  process_group: Any = None) -> Loop:
+def point_trainer(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], fused: bool,
+                  process_group: Any = None) -> Any:
+    """Our trainer as the sweep runs it at a point (also what diag.limits profiles)."""
     from ..trainer import ParallelTrainer
     model = make_model(spec, form).to(devices[0])
-    trainer = ParallelTrainer(model, _adam(model, fused), nn.MSELoss(), devices=[str(d) for d in devices],
-                              samples_per_device=k, reduction="sum", cuda_graphs=True, pack="auto",
-                              process_group=process_group)
+    return ParallelTrainer(model, _adam(model, fused), nn.MSELoss(), devices=[str(d) for d in devices],
+                           samples_per_device=k, reduction="sum", cuda_graphs=True, pack="auto",
+                           process_group=process_group)
+
+
+def _trainer_loop(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], pool: Pool, fused: bool,
+                  process_group: Any = None) -> Loop:
+    trainer = point_trainer(spec, form, k, devices, fused, process_group)
     feed, n = Feeder(pool), k * len(devices)
 
     def step() -> None:
