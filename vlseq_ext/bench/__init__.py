@@ -5,8 +5,8 @@ against the seed loop, PyTorch's built-ins, NCCL and DDP, on whatever devices th
                 [--out DIR] [--repeats N]        SUITE: merge, flatten, diag, train, sweep
 
 Suites: merge (M1, M2), flatten (F1), diag (the measurements behind the design choices: kernel vs
-host time, all-reduce crossover, optimizer-step options, host costs, trainer phases; module
-vlseq_ext.bench.diag), train (W1, W2: the seed model and a large one), sweep (W3: model sizes x
+host time, all-reduce crossover, optimizer-step options, host costs, trainer phases, what limits
+the sweep's hardest points; modules vlseq_ext.bench.diag and .limits), train (W1, W2: the seed model and a large one), sweep (W3: model sizes x
 samples per device x model forms against DDP and the best one-GPU loop; module
 vlseq_ext.bench.sweep, whose docstring has the points, methods and timing). `--devices` takes the
 specs of vlseq_ext.devices.parse_devices; without it, every GPU, or two CPU "devices" on a machine
@@ -24,8 +24,8 @@ every method, so a run killed part way keeps what it measured. Order: merge, fla
 suites, seed-model training, the worker processes (every suite's DDP and one-process-per-device
 jobs, in one spawn), the large-model workloads, then the sweep's in-process measurements.
 
-Duration on 2 x H200: merge, flatten and train about 4 minutes (measured: 242 s), diag well under a
-minute, the sweep about 6 (estimated from the measured per-method costs, see vlseq_ext.bench.sweep):
+Duration on 2 x H200: merge, flatten and train about 4 minutes (measured: 242 s), diag about 2
+minutes (measured on one H200: 120 s, of which limits ~70), the sweep about 6 (estimated from the measured per-method costs, see vlseq_ext.bench.sweep):
 about 10 minutes in all. `--quick`: about 2 minutes without the sweep, under 3 for `--suite sweep`.
 Where one command may not run that long, split the run: `--suite merge,flatten,diag,train`, then
 `--suite sweep`, each with its own --out.
