@@ -559,6 +559,39 @@ def test_impossible_output_paths_are_refused_before_training(tmp_path, capsys, c
     assert "png" in err or not case.startswith("plot_ext")
 
 
+@pytest.mark.parametrize("case", ["metrics_is_data", "metrics_is_data_hardlink", "plot_is_metrics",
+                                  "metrics_is_checkpoint", "metrics_is_resumed_checkpoint"])
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys, case):
+    """Even with --overwrite, no output may replace the data or checkpoint being read, and two outputs
+    of one run never share a file; the refusal changes no file."""
+    data.save_ragged(tmp_path / "d.npz", [np.ones((5, 3), np.float32)] * 4, np.zeros((4, 1), np.float32))
+    os.link(tmp_path / "d.npz", tmp_path / "same.jsonl")
+    ours = ["--data", tmp_path / "d.npz", "--overwrite"]
+    if case == "metrics_is_resumed_checkpoint":
+        rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "old")
+        assert rc == 0, err
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv, expect = {
+        "metrics_is_data": ([*ours, "--metrics", tmp_path / "d.npz", "--checkpoint-dir", tmp_path / "r"],
+                            f"--metrics {tmp_path / 'd.npz'} is the --data file, which is read"),
+        "metrics_is_data_hardlink": ([*ours, "--metrics", tmp_path / "same.jsonl", "--checkpoint-dir", tmp_path / "r"],
+                                     "is the --data file, which is read"),
+        "plot_is_metrics": (["--metrics", tmp_path / "m.png", "--plot", tmp_path / "m.png",
+                             "--checkpoint-dir", tmp_path / "r"], f"--plot {tmp_path / 'm.png'} is the --metrics file"),
+        "metrics_is_checkpoint": (["--metrics", tmp_path / "r" / "last.pt", "--checkpoint-dir", tmp_path / "r"],
+                                  "--checkpoint-dir " + str(tmp_path / "r" / "last.pt") + " is the --metrics file"),
+        "metrics_is_resumed_checkpoint": (["--resume", tmp_path / "old", "--max-steps", 4, "--checkpoint-dir",
+                                           tmp_path / "new", "--metrics", tmp_path / "old" / "last.pt"],
+                                          "is the --resume file, which is read"),
+    }[case]
+    if case == "plot_is_metrics" and not HAS_MPL:
+        pytest.skip("matplotlib is not installed (pip install 'vlseq_ext[plot]')")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, *argv)
+    one_line_error(rc, err, expect)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "r").exists() and not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("case, expect", [
     ("no_data", "not a vlseq checkpoint: no 'data' entry"),
     ("hidden_changed", "inconsistent: the saved configuration (lstm, 36 features, hidden 16, layers 1, 1 outputs) "

@@ -175,6 +175,8 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
     data.save_ragged(tmp_path / "nan.npz", [np.full((3, 5), np.nan, np.float32)])
     (tmp_path / "d.npy").mkdir()
     (tmp_path / "afile.csv").write_text("old")
+    os.link(root / "new_reg.npz", tmp_path / "data_link.npy")  # the data file under another name
+    checkpoint_bytes = (root / "reg" / "last.pt").read_bytes()
     ok = ["--checkpoint", root / "reg", "--data", root / "new_reg.npz"]
     cases = [
         (["--checkpoint", tmp_path / "none", "--data", root / "new_reg.npz", "--out", tmp_path / "p.npy"],
@@ -192,6 +194,10 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
         ([*ok, "--out", tmp_path / "afile.csv"], "already exists: pass --overwrite"),
         ([*ok, "--out", tmp_path / "p.npy", "--metrics", tmp_path / "m.json"], "--metrics needs targets"),
         ([*ok, "--out", tmp_path / "p.npy", "--batch-size", 0], "--batch-size must be >= 1"),
+        ([*ok, "--out", tmp_path / "data_link.npy", "--overwrite"], "is the --data file, which is read"),
+        ([*ok, "--out", tmp_path / "p.csv", "--metrics", root / "reg" / "last.pt", "--overwrite"],
+         "is the --checkpoint file, which is read"),
+        ([*ok, "--out", tmp_path / "p.csv", "--metrics", tmp_path / "p.csv"], "is the --out file"),
         ([*ok, "--out", tmp_path / "p.npy", "--devices", "cuda:99"], "--devices cuda:99: "),
         (["--checkpoint", root / "reg", "--data", tmp_path, "--out", tmp_path / "p.npy"], "is a directory"),
     ]
@@ -199,8 +205,9 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
         rc, out, err = run(capsys, *argv)
         assert rc == 2 and err.startswith("vlseq-predict: error: ") and err.count("\n") == 1, (argv, err)
         assert expect in err and "Traceback" not in err, (argv, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "afile.csv", "d.npy", "junk.pt", "nan.npz",
-                                                          "three.npz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "afile.csv", "d.npy", "data_link.npy", "junk.pt",
+                                                          "nan.npz", "three.npz"]
+    assert (root / "reg" / "last.pt").read_bytes() == checkpoint_bytes
     assert (tmp_path / "afile.csv").read_text() == "old"
     rc, _, err = run(capsys, *ok, "--out", tmp_path / "afile.csv", "--overwrite")
     assert rc == 0 and read_csv(tmp_path / "afile.csv")[0][0] == "index", err

@@ -8,7 +8,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME
 
@@ -150,6 +150,26 @@ def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -
     check_dir(path.parent if str(path.parent) else Path("."), flag + " folder")
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """a and b name one file: the same path once links are followed, or one inode (a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_outputs_distinct(outputs: Sequence[Tuple[str, Path]], inputs: Sequence[Tuple[str, Path]] = ()) -> None:
+    """No output is one of the input files or another output: --overwrite replaces old outputs, never
+    the data or checkpoint being read, and two outputs of one run never write the same file."""
+    for i, (flag, path) in enumerate(outputs):
+        for other_flag, other in inputs:
+            if same_file(path, other):
+                raise CLIError(f"{flag} {path} is the {other_flag} file, which is read: choose another file")
+        for other_flag, other in outputs[:i]:
+            if same_file(path, other):
+                raise CLIError(f"{flag} {path} is the {other_flag} file: choose another file")
+
+
 def plot_formats() -> List[str]:
     """The file formats matplotlib can save (a fixed list when matplotlib is not installed)."""
     try:
@@ -159,10 +179,18 @@ def plot_formats() -> List[str]:
         return list(FALLBACK_PLOT_FORMATS)
 
 
-def check_output_paths(cfg: Dict[str, Any]) -> None:
+def check_output_paths(cfg: Dict[str, Any], resumed: Optional[Path] = None) -> None:
+    """The run's outputs can be written, and none is the data file, the checkpoint resumed from (the
+    new checkpoint may replace that one: it continues the run) or another output."""
     check_dir(Path(cfg["checkpoint_dir"]), "--checkpoint-dir")
     check_file(Path(cfg["metrics"]), "--metrics")
     check_file(Path(cfg["plot"]), "--plot", plot_formats())
+    outputs = [("--metrics", Path(cfg["metrics"])), ("--plot", Path(cfg["plot"]))]
+    data = Path(cfg["data"])
+    check_outputs_distinct(outputs + [("--checkpoint-dir", Path(cfg["checkpoint_dir"]) / CHECKPOINT_NAME)],
+                           [("--data", data)] if data.exists() else [])
+    if resumed is not None:
+        check_outputs_distinct(outputs, [("--resume", resumed)])
 
 
 def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:

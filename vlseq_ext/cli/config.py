@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from ..checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
+from ..checkpoint import CHECKPOINT_NAME, CheckpointError, find_checkpoint, read_checkpoint
 from ..data import BUILTIN
 from . import checks
 from .checks import CLIError
@@ -173,7 +173,7 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
             cfg[k] = str(Path(cfg["checkpoint_dir"]) / name)
     if not cfg["plot_default"] and not matplotlib_available():
         raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
-    checks.check_output_paths(cfg)
+    checks.check_output_paths(cfg, find_checkpoint(args.resume) if ckpt is not None else None)
     if ckpt is None and not overwrite:
         checks.check_not_a_previous_run(cfg)
     return cfg, ckpt

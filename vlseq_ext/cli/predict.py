@@ -22,11 +22,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import CHECKPOINT_NAME, MODEL_KEYS, CheckpointError, build_model, read_checkpoint
+from ..checkpoint import CHECKPOINT_NAME, MODEL_KEYS, CheckpointError, build_model, find_checkpoint, read_checkpoint
 from ..data import DataError, RaggedDataset, check_file as check_data_file, load_ragged, load_ts
 from ..devices import parse_devices
 from .._version import __version__
-from .checks import CLIError, check_file
+from .checks import CLIError, check_file, check_outputs_distinct
 
 PROG = "vlseq-predict"
 OUT_FORMATS = ("npy", "csv")
@@ -80,9 +80,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.metrics:
         metrics = Path(args.metrics)
         check_file(metrics, "--metrics")
-        if metrics.resolve() == out.resolve():
-            raise CLIError(f"--metrics {metrics} is the --out file")
         paths.append(("--metrics", metrics))
+    checkpoint = find_checkpoint(args.checkpoint)
+    check_outputs_distinct(paths, [("--data", Path(args.data))]
+                           + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
     for flag, path in paths:
         if path.exists() and not args.overwrite:
             raise CLIError(f"{flag} {path} already exists: pass --overwrite to replace it, or choose another file")
