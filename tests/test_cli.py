@@ -559,6 +559,32 @@ def test_impossible_output_paths_are_refused_before_training(tmp_path, capsys, c
     assert "png" in err or not case.startswith("plot_ext")
 
 
+def test_a_run_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
+    """The same folder twice at once: a second run (with --overwrite too) stops before touching it."""
+    from vlseq_ext.cli.run import RunFolderLock
+    live = RunFolderLock(tmp_path / "run")  # another run holds the folder (a separate open file: flock conflicts)
+    (tmp_path / "run" / "metrics.jsonl").write_text("the live run's\n")
+    try:
+        for extra, expect in (([], "already holds a run"), (["--overwrite"], "another vlseq-train run is using "
+                                                                               "this folder now")):
+            rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", *extra)
+            one_line_error(rc, err, expect)
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
+        assert (tmp_path / "run" / "metrics.jsonl").read_text() == "the live run's\n"
+    finally:
+        live.release()
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", "--overwrite")
+    assert rc == 0, err
+
+
+def test_a_run_that_fails_after_taking_its_folder_leaves_no_folder(tmp_path, capsys):
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--data", tmp_path / "bad.npz",
+                     "--checkpoint-dir", tmp_path / "a" / "b" / "run")
+    one_line_error(rc, err, "cannot read as .npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz"]
+
+
 @pytest.mark.parametrize("case", ["metrics_is_data", "metrics_is_data_hardlink", "plot_is_metrics",
                                   "metrics_is_checkpoint", "metrics_is_resumed_checkpoint"])
 def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys, case):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,7 +35,7 @@ from ..distributed import DistributedError
 from .checks import CLIError
 from .config import DEFAULTS, PROG, build_parser, resolve_config
 from .reporting import Reporter, RunState, matplotlib_available, open_metrics, write_plot
-from .run import Run, evaluate_split
+from .run import Run, RunFolderLock, evaluate_split
 from .training import cpu_threads, deterministic_mode, train
 
 __all__ = ["main", "train_main", "CLIError", "PROG", "DEFAULTS", "build_parser", "resolve_config", "Run",
@@ -51,21 +52,32 @@ class _PeerFailed(Exception):
     """[distributed] rank 0 failed before training (and printed why); the other ranks exit quietly."""
 
 
-def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """resolve_config; [distributed] on rank 0 only, which sends the configuration and the resumed
-    checkpoint to the others, so every rank trains the same run and only rank 0 needs the files."""
+def _resolve_and_lock(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]], RunFolderLock]:
+    cfg, ckpt = resolve_config(args)
+    return cfg, ckpt, RunFolderLock(Path(cfg["checkpoint_dir"]))
+
+
+def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]],
+                                                          Optional[RunFolderLock]]:
+    """resolve_config, then the run folder's lock (the caller releases it); [distributed] on rank 0
+    only, which sends the configuration and the resumed checkpoint to the others, so every rank
+    trains the same run and only rank 0 needs the files (and holds the lock)."""
     rank, world = distributed.rank_and_world()
     if world == 1:
-        return resolve_config(args)
+        return _resolve_and_lock(args)
     payload: List[Any] = [None]
+    lock: Optional[RunFolderLock] = None
     if rank == 0:
         try:
-            payload = [("ok", resolve_config(args))]
+            cfg, ckpt, lock = _resolve_and_lock(args)
+            payload = [("ok", (cfg, ckpt))]
         except (DataError, CLIError) as exc:
             payload = [("error", str(exc))]
     try:
         torch.distributed.broadcast_object_list(payload, src=0)
     except Exception as exc:
+        if lock is not None:
+            lock.release()
         raise DistributedError(f"rank {rank}: could not receive the configuration from rank 0: "
                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
     kind, value = payload[0]
@@ -73,16 +85,17 @@ def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Option
         if rank == 0:
             raise CLIError(value)
         raise _PeerFailed(value)
-    return value
+    return (*value, lock)
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """vlseq-train; returns the exit code."""
     args = build_parser().parse_args(argv)
     started = False
+    lock: Optional[RunFolderLock] = None
     try:
         started = distributed.start_from_env()
-        cfg, ckpt = resolve_everywhere(args)
+        cfg, ckpt, lock = resolve_everywhere(args)
         with deterministic_mode(bool(cfg["deterministic"])), cpu_threads():
             return train(cfg, ckpt)
     except (DataError, CLIError) as exc:
@@ -98,6 +111,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: interrupted before training started: no checkpoint was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
+        if lock is not None:
+            lock.release()
         if started and torch.distributed.is_initialized():
             gc.collect()  # the finished run's trainer first (see distributed._close_at_exit), then the group
             torch.distributed.destroy_process_group()

@@ -5,10 +5,11 @@ Under torchrun every process builds the same run; rank 0 alone prints, writes me
 checkpoints (the master's model and optimizer are identical on every rank)."""
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -25,6 +26,49 @@ from ..trainer import ParallelTrainer
 from .checks import CLIError, check_model_size
 from .config import NOT_SAVED, PROG, __version__
 from .reporting import RunState
+
+
+class RunFolderLock:
+    """An exclusive lock on the run folder, from the checks to the end of the run: a second vlseq-train
+    on the same folder (with --overwrite or --resume too) stops with one line instead of interleaving
+    its checkpoints and metrics with the live run's. flock on the directory itself, so no lock file is
+    left behind, and the lock dies with the process however it ends. A folder created for the lock is
+    removed again on release when the run left nothing in it. Where flock is missing (Windows, some
+    network file systems) runs are not guarded."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd: Optional[int] = None
+        self.created: List[Path] = []
+        try:
+            import fcntl
+        except ImportError:
+            return
+        p = path
+        while not p.exists() and p != p.parent:
+            self.created.append(p)  # deepest first
+            p = p.parent
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CLIError(f"--checkpoint-dir {path}: another vlseq-train run is using this folder now; wait for it "
+                           "to finish, or choose another --checkpoint-dir") from None
+        except OSError:
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        for d in self.created:
+            try:
+                d.rmdir()  # only if empty
+            except OSError:
+                break
 
 
 def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 256) -> Dict[str, float]:
