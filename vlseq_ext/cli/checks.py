@@ -99,6 +99,15 @@ def check_sizes(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> None:
 # output paths
 
 
+def missing_dirs(path: Path) -> List[Path]:
+    """path and its ancestors that do not exist yet, deepest first (what mkdir(parents=True) makes)."""
+    missing: List[Path] = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
 def check_dir(path: Path, flag: str) -> None:
     """`path` is (or can be created as) a directory where files can be written. Creates nothing that
     stays: a missing directory is created and removed again."""
@@ -112,11 +121,8 @@ def check_dir(path: Path, flag: str) -> None:
         except OSError as exc:
             raise CLIError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
         return
-    missing: List[Path] = []
-    p = path
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
+    missing = missing_dirs(path)
+    p = missing[-1].parent if missing else path
     if p.exists() and not p.is_dir():
         raise CLIError(f"{flag} {path}: cannot be created: {p} is a file, not a directory")
     try:

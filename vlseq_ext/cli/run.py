@@ -23,7 +23,7 @@ from ..samplers import DistributedLengthSampler
 from ..devices import parse_devices
 from ..loop import TrainingLoop
 from ..trainer import ParallelTrainer
-from .checks import CLIError, check_model_size
+from .checks import CLIError, check_model_size, missing_dirs
 from .config import NOT_SAVED, PROG, __version__
 from .reporting import RunState
 
@@ -43,10 +43,7 @@ class RunFolderLock:
             import fcntl
         except ImportError:
             return
-        p = path
-        while not p.exists() and p != p.parent:
-            self.created.append(p)  # deepest first
-            p = p.parent
+        self.created = missing_dirs(path)
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDONLY)
         try:
