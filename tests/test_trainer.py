@@ -3,6 +3,7 @@ device, summed or averaged. CPU "devices" run in CI; the GPU cases run on the 2-
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -398,3 +399,19 @@ def test_gpu_nonfinite_skip_without_sync_keeps_weights():
         assert torch.equal(value, before[name]), name
     trainer.step([torch.randn(50, 36), torch.randn(60, 36)], [torch.tensor([0.3]), torch.tensor([1.0])])
     assert not torch.equal(model.state_dict()["fc.bias"], before["fc.bias"])
+
+
+def test_warmup_names_a_length_that_is_not_one():
+    """Checked on every device kind (on CPU warmup has nothing to capture, but a typo still fails)."""
+    import numpy as np
+    model = SeqModel(input_dim=4, hidden_dim=8)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2")
+    for bad, shown in (([5, 0], "lengths[1] = 0"), ([-3], "lengths[0] = -3"), ([2.5], "lengths[0] = 2.5"),
+                       (["12"], "lengths[0] = '12'"), ([True], "lengths[0] = True"),
+                       ([float("nan")], "lengths[0] = nan"), ([float("inf")], "lengths[0] = inf")):
+        with pytest.raises(ValueError, match=re.escape(f"warmup: {shown} is not a sample length")):
+            trainer.warmup(bad)
+    with pytest.raises(TypeError, match="warmup: lengths must be a sequence of sample lengths, got int"):
+        trainer.warmup(7)
+    for fine in ([3, 4.0, np.int64(7)], torch.tensor([3, 5]), np.array([2.0, 9.0]), []):
+        trainer.warmup(fine)

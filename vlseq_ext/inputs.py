@@ -2,12 +2,14 @@
 and the error names the sample and the problem."""
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets"]
+__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets", "check_lengths"]
 
 
 def model_input_dim(model: nn.Module) -> Optional[int]:
@@ -79,3 +81,20 @@ def check_targets(ys: List[Tensor], output_shape: Tuple[int, ...]) -> None:
         elif y.device.type == "cpu" and not 0 <= int(y.reshape(())) < out_dim:
             raise ValueError(f"target {i} is class {int(y.reshape(()))} but the model outputs {out_dim} classes "
                              f"(0..{out_dim - 1})")
+
+
+def check_lengths(lengths: Any, what: str) -> List[int]:
+    """Sample lengths as ints: each a whole number >= 1 (an int, or an integral float, numpy or
+    tensor value), so a typo fails here (ValueError naming it) instead of, say, capturing a CUDA
+    graph that training never replays."""
+    try:
+        values = list(lengths.tolist() if isinstance(lengths, (Tensor, np.ndarray)) else lengths)
+    except TypeError:
+        raise TypeError(f"{what}: lengths must be a sequence of sample lengths, got {type(lengths).__name__}") from None
+    out = []
+    for i, v in enumerate(values):
+        if not (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                and math.isfinite(v) and v == int(v) and v >= 1):
+            raise ValueError(f"{what}: lengths[{i}] = {v!r} is not a sample length (a whole number >= 1)")
+        out.append(int(v))
+    return out

@@ -27,7 +27,7 @@ from .devices import parse_devices
 from .execution import DeviceRunner
 from .graphs import padded_length
 from .guard import StepGuard
-from .inputs import check_samples, check_targets, model_input_dim
+from .inputs import check_lengths, check_samples, check_targets, model_input_dim
 from .losses import PerSampleLoss, stack_targets
 from .merge import make_merge
 from .replicas import ReplicaSet
@@ -261,12 +261,13 @@ class ParallelTrainer:
         devices at once), so the first epoch does not pay for captures. `target`: one sample's
         target as training will give it (graphs are kept per target shape and dtype); by default a
         class index for CrossEntropyLoss/NLLLoss, else one float per model output. Leaves gradients,
-        losses and parameters as they were. No-op without CUDA graphs."""
-        if not self.cuda_graphs or not len(lengths):
+        losses and parameters as they were. No-op without CUDA graphs (the lengths are checked anyway)."""
+        lengths = check_lengths(lengths, "warmup")
+        if not self.cuda_graphs or not lengths:
             return
         t0 = time.perf_counter()
         dim = self.input_dim or 1
-        lengths = sorted({int(v) for v in lengths}, reverse=True)
+        lengths = sorted(set(lengths), reverse=True)
         self.runner.prepare([torch.randn(lengths[0], dim)])
         if target is not None:
             y = target
