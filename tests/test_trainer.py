@@ -302,6 +302,15 @@ def test_bad_constructor_arguments(monkeypatch):
         ParallelTrainer(model, opt, nn.MSELoss(), devices=[f"cuda:{n + 3}"])
     with pytest.raises(ValueError, match="reduction must be"):
         ParallelTrainer(model, opt, nn.MSELoss(), devices=["cpu"], reduction="max")
+    for kw, expect in ((dict(samples_per_device=True), "samples_per_device must be a positive int, got True"),
+                       (dict(samples_per_device=2.0), "samples_per_device must be a positive int, got 2.0"),
+                       (dict(accumulation_steps=False), "accumulation_steps must be a positive int, got False"),
+                       (dict(lanes=True), "lanes must be None or a positive int, got True"),
+                       (dict(pack=1), "pack must be 'auto', True or False, got 1"),
+                       (dict(pack=0), "pack must be 'auto', True or False, got 0"),
+                       (dict(pack=torch.tensor(1)), "pack must be 'auto', True or False")):
+        with pytest.raises(ValueError, match=re.escape(expect)):
+            ParallelTrainer(model, opt, nn.MSELoss(), devices=["cpu"], **kw)
     with pytest.raises(ValueError, match="mixes CPU and CUDA|does not exist"):
         parse_devices(["cpu", "cuda:0"])
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)

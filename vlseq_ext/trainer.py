@@ -321,21 +321,25 @@ class ParallelTrainer:
                         val_data=val_data, log_every=log_every)
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1  # (True would pass for 1)
+
+
 def _check_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm,
                    lanes) -> None:
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if not isinstance(samples_per_device, int) or samples_per_device < 1:
+    if not _positive_int(samples_per_device):
         raise ValueError(f"samples_per_device must be a positive int, got {samples_per_device!r}")
     if amp not in (None, "bf16"):
         raise ValueError(f"amp must be None or 'bf16', got {amp!r}")
     if nonfinite not in ("skip", "raise", "ignore"):
         raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+    if not _positive_int(accumulation_steps):
         raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    if pack not in ("auto", True, False):
+    if not (pack is True or pack is False or (isinstance(pack, str) and pack == "auto")):  # (1 and 0 pass `in`)
         raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
-    if lanes is not None and (not isinstance(lanes, int) or lanes < 1):
+    if lanes is not None and not _positive_int(lanes):
         raise ValueError(f"lanes must be None or a positive int, got {lanes!r}")
