@@ -109,7 +109,9 @@ def flatten(
     its slice with zeros, so `numels` is required when an entry is None. `out` (contiguous, at
     least sum(numels) elements, on the tensors' device) is written in place; when omitted it is
     allocated with `dtype` (default: the first tensor's dtype). Inputs may have a dtype other
-    than `out`'s: values are converted on the fly. No input may share memory with the part of
+    than `out`'s: values are converted on the fly, as Tensor.to() converts them (a value beyond a
+    narrower `out` dtype's range becomes +-inf, which the trainer's non-finite guard then catches;
+    check torch.isfinite(out) when you cast down yourself). No input may share memory with the part of
     `out` that is written. On CUDA this is one kernel launch.
     """
     # Checked here too: torch 2.11's dispatcher crashed on an empty Tensor?[] with a CUDA `out`.
