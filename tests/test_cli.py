@@ -314,6 +314,26 @@ def test_resume_with_other_feature_count_and_bad_devices(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and f"cuda:{n + 7} does not exist" in err, err
 
 
+def test_resume_on_other_data_of_the_same_size_is_refused(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    seqs = [rng.standard_normal((int(rng.integers(4, 12)), 3)).astype(np.float32) for _ in range(16)]
+    targets = rng.standard_normal((16, 1)).astype(np.float32)
+    data.save_ragged(tmp_path / "d.npz", seqs, targets)
+    rc, _, err = run(capsys, *SMALL, "--data", tmp_path / "d.npz", "--max-steps", 2, "--checkpoint-dir", tmp_path / "run")
+    assert rc == 0, err
+    before = (tmp_path / "run" / "last.pt").read_bytes()
+    seqs[5][2, 1] += 1e-3  # one value of one sample, nothing else
+    data.save_ragged(tmp_path / "d.npz", seqs, targets)
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--max-steps", 4)
+    one_line_error(rc, err, f"{tmp_path / 'd.npz'}: not the data of the checkpoint's run (as many training samples")
+    assert (tmp_path / "run" / "last.pt").read_bytes() == before
+    ck = torch.load(tmp_path / "run" / "last.pt", weights_only=True)  # a checkpoint from before fingerprints
+    del ck["data"]["fingerprint"]
+    torch.save(ck, tmp_path / "run" / "last.pt")
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--max-steps", 4)
+    assert rc == 0, err
+
+
 def test_console_entry_exit_code_and_help(tmp_path):
     res = subprocess.run(cmd("--data", tmp_path / "nope.npz"), env=subprocess_env(),
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@ training dtype (float32): a finite float64 value beyond float32's range is as ba
 """
 from __future__ import annotations
 
+import hashlib
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,6 +64,17 @@ class RaggedDataset(Dataset):
     def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
         s = int(self.starts[i])
         return self.values[s:s + int(self.lengths[i])], self.targets[i]
+
+    def fingerprint(self) -> str:
+        """A hash of everything these samples are: the value buffer, each sample's place in it and its
+        target. A resumed run compares it with its checkpoint's, so other data of the same size is
+        not taken for the run's own."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in (self.values.numpy(), self.starts, self.lengths, self.targets.numpy()):
+            a = np.ascontiguousarray(a)
+            h.update(str((a.dtype.str, a.shape)).encode())
+            h.update(a.view(np.uint8).data)
+        return h.hexdigest()
 
     def subset(self, index: Sequence[int]) -> "RaggedDataset":
         """The samples at `index`, sharing this dataset's value storage."""

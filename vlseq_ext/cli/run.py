@@ -177,7 +177,8 @@ class Run:
                                 "classifier trained on a single class learns nothing useful")
         self.data, self.val = data, val
         self.meta = {"name": data.name, "num_features": data.num_features, "task": data.task,
-                     "output_dim": data.output_dim, "num_train": len(data), "class_names": data.class_names}
+                     "output_dim": data.output_dim, "num_train": len(data), "class_names": data.class_names,
+                     "fingerprint": data.fingerprint()}
 
     def _check_resumable(self, old: Dict[str, Any]) -> None:
         data = self.data
@@ -191,6 +192,9 @@ class Run:
         if old.get("num_train") != len(data):
             raise DataError(f"{data.name}: {len(data)} training samples, the checkpoint's run had "
                             f"{old.get('num_train')}; resume on the same data")
+        if old.get("fingerprint") not in (None, self.meta["fingerprint"]):  # (older checkpoints have none)
+            raise DataError(f"{data.name}: not the data of the checkpoint's run (as many training samples, "
+                            "other values, lengths or targets); resume on the same data")
 
     def _restore(self, ckpt: Dict[str, Any]) -> None:
         self.model.load_state_dict(ckpt["model"])
