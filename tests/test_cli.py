@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlseq_ext import checkpoint, cli, data
+from vlseq_ext import checkpoint, cli, data, files
 
 REPO = Path(__file__).resolve().parents[1]
 # A small, fast configuration: a tiny model on short synthetic runs.
@@ -131,7 +131,7 @@ def test_checkpoint_is_atomic_and_loads_weights_only(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.os, "replace", broken_replace)
+    monkeypatch.setattr(files.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save_checkpoint({"w": torch.zeros(5)}, path)
     assert torch.equal(checkpoint.load_checkpoint(path.parent)["w"], torch.arange(3))

@@ -101,6 +101,21 @@ def test_regression_predictions_equal_single_sample_forwards(trained, tmp_path, 
             torch.testing.assert_close(torch.tensor([[float(v) for v in r[1:]] for r in rows]), expected)
 
 
+def test_outputs_are_as_readable_as_any_new_file(trained, tmp_path, capsys):
+    # they were 0o600 (mkstemp's mode) whatever the umask: a team could not read its predictions
+    root, _, _ = trained
+    old = os.umask(0o022)
+    try:
+        rc, _, err = run(capsys, "--checkpoint", root / "reg", "--data", root / "new_reg_t.npz",
+                         "--out", tmp_path / "p.csv", "--metrics", tmp_path / "m.json", "--quiet")
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    for name in ("p.csv", "m.json"):
+        assert oct(os.stat(tmp_path / name).st_mode & 0o777) == oct(0o644), name
+    assert oct(os.stat(root / "reg" / "last.pt").st_mode & 0o077) != oct(0), "the checkpoint is private"
+
+
 def test_classification_class_probabilities_and_metrics(trained, tmp_path, capsys):
     root, _, cnew = trained
     logits = single_sample_outputs(root / "cls", cnew)

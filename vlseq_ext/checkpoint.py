@@ -16,16 +16,16 @@ Reading: `read_checkpoint` tells a vlseq checkpoint from a foreign, truncated or
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import random
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import nn
+
+from .files import write_atomically
 
 __all__ = ["CHECKPOINT_NAME", "FORMAT", "CheckpointError", "CheckpointWriteError", "save_checkpoint",
            "load_checkpoint", "find_checkpoint", "read_checkpoint", "build_model", "load_model",
@@ -88,48 +88,25 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda[i], i)
 
 
-def _fsync_dir(folder: Path) -> None:
-    if os.name == "nt":  # directories cannot be opened for fsync on Windows; os.replace is enough there
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_bytes(f: Any, data: memoryview) -> None:
-    """Write the serialised checkpoint to the open temporary file and make it durable."""
+    """Write the serialised checkpoint to the open temporary file (a seam the tests patch)."""
     f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def save_checkpoint(state: Dict[str, Any], path: PathLike) -> Path:
     """Atomically write `state` (tensors, dicts, lists, numbers, strings) to `path`: serialise it,
     write a temporary file in the same directory, flush + fsync, os.replace over `path`, fsync the
-    directory. Creates the directory if needed; removes temporaries left by a killed writer.
-    Raises CheckpointWriteError when the file cannot be written; `path` is then untouched."""
+    directory (files.write_atomically). Creates the directory if needed; removes temporaries left
+    by a killed writer. Raises CheckpointWriteError when the file cannot be written; `path` is then
+    untouched."""
     path = Path(path)
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getbuffer()
-    tmp: Optional[str] = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            _write_bytes(f, data)
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(path.parent)
+        write_atomically(path, lambda f: _write_bytes(f, data), durable=True, clear_stale=True)
     except OSError as exc:
         raise CheckpointWriteError(path, exc.strerror or str(exc) or type(exc).__name__, exc.errno) from exc
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
     return path
 
 

@@ -12,9 +12,7 @@ import argparse
 import csv
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 from ..checkpoint import CHECKPOINT_NAME, MODEL_KEYS, CheckpointError, build_model, find_checkpoint, read_checkpoint
 from ..data import DataError, RaggedDataset, check_file as check_data_file, load_ragged, load_ts
 from ..devices import parse_devices
+from ..files import write_atomically
 from .._version import __version__
 from .checks import CLIError, check_file, check_outputs_distinct
 
@@ -151,21 +150,11 @@ def _metrics(out: torch.Tensor, ds: RaggedDataset) -> Dict[str, Any]:
     return res
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str, flag: str) -> None:
-    """write(fh) into a temporary file beside `path`, then rename it over `path`."""
-    tmp = None
+def _atomic_write(path: Path, write: Callable[[Any], None], text: bool, flag: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, mode, **({"newline": "", "encoding": "utf-8"} if "b" not in mode else {})) as fh:
-            write(fh)
-        os.replace(tmp, path)
-        tmp = None
+        write_atomically(path, write, text=text)
     except OSError as exc:
         raise CLIError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _write_predictions(path: Path, out: torch.Tensor, ds: RaggedDataset, class_names: Optional[List[str]]) -> None:
@@ -186,7 +175,7 @@ def _write_predictions(path: Path, out: torch.Tensor, ds: RaggedDataset, class_n
                 arr["label"] = np.array(names)[cls]
         else:
             arr = out.numpy().astype(np.float32)
-        _atomic_write(path, lambda fh: np.save(fh, arr, allow_pickle=False), "wb", "--out")
+        _atomic_write(path, lambda fh: np.save(fh, arr, allow_pickle=False), False, "--out")
         return
 
     def write_csv(fh: Any) -> None:
@@ -201,7 +190,7 @@ def _write_predictions(path: Path, out: torch.Tensor, ds: RaggedDataset, class_n
             for i in range(n):
                 w.writerow([i] + [f"{v:.9g}" for v in values[i]])
 
-    _atomic_write(path, write_csv, "w", "--out")
+    _atomic_write(path, write_csv, True, "--out")
 
 
 def predict(args: argparse.Namespace) -> int:
@@ -245,7 +234,7 @@ def predict(args: argparse.Namespace) -> int:
     if args.metrics:
         res = {"checkpoint": str(args.checkpoint), "data": str(args.data), **_metrics(out, ds)}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in res.items()}
-        _atomic_write(Path(args.metrics), lambda fh: fh.write(json.dumps(clean, indent=2) + "\n"), "w", "--metrics")
+        _atomic_write(Path(args.metrics), lambda fh: fh.write(json.dumps(clean, indent=2) + "\n"), True, "--metrics")
         acc = f", accuracy {100 * res['accuracy']:.2f}%" if "accuracy" in res else ""
         print(f"{PROG}: {res['samples']} samples: {res['loss_fn']} loss {res['loss']:.6g}{acc} (in {args.metrics})")
     return 0
