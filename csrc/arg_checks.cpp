@@ -125,10 +125,13 @@ int64_t check_flatten(const c10::List<std::optional<at::Tensor>>& tensors, at::I
       TORCH_CHECK(t.numel() == numels[i], op, ": ", item("tensors", i), " has ", num(t.numel()), " elements but ",
                   item("numels", i), " is ", num(numels[i]));
     }
+    // Checked entry by entry so the running total never overflows int64: a wrapped total passed
+    // the size check and let a huge numels entry move the write before `out`.
+    TORCH_CHECK(numels[i] <= out.numel() - total, op, ": out is too small: it has ", num(out.numel()),
+                " elements but numels[0..", num(static_cast<int64_t>(i)), "] need more (", num(total), " + ",
+                num(numels[i]), ")");
     total += numels[i];
   }
-  TORCH_CHECK(out.numel() >= total, op, ": out is too small: it has ", num(out.numel()),
-              " elements but the tensors need ", num(total));
   // Inputs may share memory with each other (they are only read), not with what is written.
   std::vector<Span> spans;
   for (size_t i = 0; i < tensors.size(); ++i) {

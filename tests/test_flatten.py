@@ -308,6 +308,7 @@ FLATTEN_BAD = [
     "empty", "device_mismatch", "out_too_small", "out_int32", "input_int32", "numels_length_wrapper",
     "numels_length_op", "numels_value", "numels_negative", "none_without_numels", "out_not_contiguous",
     "input_overlaps_out", "input_is_out", "strided_input_overlaps_out", "input_aliases_out_other_storage",
+    "numels_sum_overflows", "numels_fraction", "numels_bool",
 ]
 
 
@@ -333,7 +334,7 @@ def _flatten_bad_case(case, device, rand):
     if case == "out_too_small":
         small = rand.randn(6, device=device)
         return (lambda: ops.flatten([a, b], out=small), RuntimeError,
-                r"flatten_: out is too small: it has 6 elements but the tensors need 7", [small, a, b])
+                r"flatten_: out is too small: it has 6 elements but numels\[0\.\.1\] need more \(3 \+ 4\)", [small, a, b])
     if case == "out_int32":
         iout = torch.arange(16, dtype=torch.int32, device=device)
         return (lambda: ops.flatten([a, b], out=iout), RuntimeError,
@@ -381,6 +382,20 @@ def _flatten_bad_case(case, device, rand):
         arr = rand.randn(8).numpy()
         buf, alias = torch.from_numpy(arr), torch.from_numpy(arr)
         return lambda: ops.flatten([alias[4:8]], out=buf[2:6]), RuntimeError, overlap.format(0), [buf]
+    if case == "numels_sum_overflows":
+        # The total wraps past 2**63 to 10 = out's size: it passed the size check, and on CUDA the
+        # float64 input (a launch group of its own) was written 20 elements before `out`.
+        buf = torch.arange(100.0, device=device)
+        x = torch.full((10,), -7.0, dtype=torch.float64, device=device)
+        huge = [2**62 - 20, 10, 2**62, 2**62, 2**62 + 20]
+        return (lambda: op([None, x, None, None, None], huge, buf[50:60], 1.0), RuntimeError,
+                r"flatten_: out is too small: it has 10 elements but numels\[0\.\.0\] need more", [buf])
+    if case == "numels_fraction":
+        return (lambda: ops.flatten([a, None], out=out, numels=[3, 2.9]), TypeError,
+                r"flatten: numels\[1\] must be a whole number of elements, got 2\.9", [out])
+    if case == "numels_bool":
+        return (lambda: ops.flatten([None, a], out=out, numels=[True, 3]), TypeError,
+                r"flatten: numels\[0\] must be a whole number of elements, got True", [out])
     raise AssertionError(case)
 
 

@@ -490,6 +490,18 @@ def test_broadcast_tensors_cpu(rand):
     assert_same_bits(dsts[1], base[2:8])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_broadcast_copies_flat_whatever_the_shapes(device, rand):
+    # The contract is same numel and dtype: the CUDA kernel copied (2, 3) into (3, 2) flat while
+    # the CPU kernel raised a broadcasting error.
+    src = rand.randn(2, 3).to(device)
+    dst, dst2 = torch.zeros(3, 2, device=device), torch.zeros(6, device=device)
+    ops.broadcast_(src, [dst])
+    ops.broadcast_tensors_([src], [[dst2]])
+    assert_same_bits(dst.reshape(-1), src.reshape(-1))
+    assert_same_bits(dst2, src.reshape(-1))
+
+
 def test_opcheck_broadcast(rand):
     torch.library.opcheck(torch.ops.vlseq_ext.broadcast_.default, (rand.randn(10), [torch.empty(10), torch.empty(10)]))
     srcs = [rand.randn(10), rand.randn(2, 3, dtype=torch.float64)]

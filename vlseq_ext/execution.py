@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .graphs import PaddedGraphs, SampleGraphs
-from .losses import PerSampleLoss, stack_targets
+from .losses import PerSampleLoss, loss_precision, stack_targets
 from .replicas import ReplicaSet
 from .scheduling import PER_SAMPLE_GRAPH_MAX_WIDTH, recurrent_width
 
@@ -63,6 +63,20 @@ class DeviceRunner:
         self.sample_graphs: List[List[SampleGraphs]] = [[] for _ in self.devices]
         self.padded_graphs: List[Optional[PaddedGraphs]] = [None] * len(self.devices)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (they recorded which parameters get a gradient); the next
+        step captures afresh."""
+        if not self.cuda_graphs or self.plan is None:
+            return
+        self.sample_graphs = [[] for _ in self.devices]
+        self.padded_graphs = [None] * len(self.devices)
+        self._make_caches()
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The model's floating dtype: samples are converted to it, as every training path does."""
+        return self.replicas.master.params[0].dtype
+
     def caches(self, d: int) -> list:
         return [c for c in [*self.sample_graphs[d], self.padded_graphs[d]] if c is not None]
 
@@ -98,7 +112,7 @@ class DeviceRunner:
 
     def accepts_list(self, xs: List[Tensor]) -> bool:
         if self._accepts_list is None:
-            probe = [x[:2].to(self.master_device) for x in xs[:2]]
+            probe = [x[:2].to(self.master_device, dtype=self._dtype) for x in xs[:2]]
             try:
                 with self._probing():
                     out = self.model(probe)
@@ -110,8 +124,15 @@ class DeviceRunner:
     def prepare(self, xs: List[Tensor]) -> None:
         """First step: the output shape (for the target check) and the plan with its graph caches."""
         if self.output_shape is None:
+            probe = xs[0][:2]  # two steps: a model that returns one row per time step shows it
             with self._probing():
-                self.output_shape = tuple(self.model(xs[0][:1].to(self.master_device)).shape)
+                out = self.model(probe.to(self.master_device, dtype=self._dtype))
+            if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 1:
+                shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                raise ValueError(f"the model's output for one sample of length {probe.shape[0]} is {shape}; it must be "
+                                 "(1, outputs): one row per sample (a model that returns one row per time step "
+                                 "needs e.g. out[-1:] for the last step)")
+            self.output_shape = tuple(out.shape)
         if self.plan is not None:
             return
         self.plan = self.choose_plan(xs)
@@ -121,6 +142,9 @@ class DeviceRunner:
         lanes = self._lanes_asked or (min(self.samples_per_device, MAX_LANES)
                                       if self.plan == "per_sample" and self.cuda_graphs else 1)
         self.replicas.ensure_lanes(lanes)
+        self._make_caches()
+
+    def _make_caches(self) -> None:
         if not self.cuda_graphs:
             return
         max_graphs, max_bytes = self._graph_bounds
@@ -191,7 +215,7 @@ class DeviceRunner:
                 out = ln.module(xs[0].to(dev, dtype=dtype, non_blocking=True))
             else:
                 out = ln.module([x.to(dev, dtype=dtype, non_blocking=True) for x in xs])
-        out = out.float()
+        out = loss_precision(out)
         loss = self.per_sample_loss(out, self._stack(d, ys, out.shape[-1])).sum()
         loss.backward()
         ln.loss.add_(loss.detach())

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
+from .losses import loss_precision
+
 __all__ = ["capture", "SampleGraphs", "PaddedGraphs", "padded_length"]
 
 # Padded lengths are rounded up to a multiple of this: at most 31 wasted steps per batch (6% of a
@@ -199,7 +201,7 @@ class SampleGraphs(_Cache):
     def _step(self, x: Tensor, y: Tensor) -> None:
         with self.autocast():
             out = self.module(x)
-        loss = self.loss_of(out.float(), y)
+        loss = self.loss_of(loss_precision(out), y)
         loss.backward()
         self.loss_acc.add_(loss.detach())
 
@@ -251,7 +253,7 @@ class PaddedGraphs(_Cache):
     def _step(self, e: _PaddedEntry) -> None:
         with self.autocast():
             out = self.module.forward_padded(e.x, e.lengths)
-        loss = self.per_sample_loss(out.float(), e.y).sum()
+        loss = self.per_sample_loss(loss_precision(out), e.y).sum()
         loss.backward()
         self.loss_acc.add_(loss.detach())
 

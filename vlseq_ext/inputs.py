@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets", "check_lengths"]
+__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets", "check_lengths",
+           "check_trainer_options"]
 
 
 def model_input_dim(model: nn.Module) -> Optional[int]:
@@ -65,12 +66,16 @@ def check_samples(samples: Sequence[Any], targets: Any, input_dim: Optional[int]
     return xs, ys
 
 
-def check_targets(ys: List[Tensor], output_shape: Tuple[int, ...]) -> None:
+def check_targets(ys: List[Tensor], output_shape: Tuple[int, ...], class_targets: bool) -> None:
     """Each target must fit the model's one-sample output (1, O): O values for a float target, one
-    class index in [0, O) for an integer target. Torch would broadcast a mismatch with only a
-    warning and train on the wrong loss."""
+    class index in [0, O) for an integer target, which only a class loss (`class_targets`:
+    CrossEntropyLoss, NLLLoss) takes. Torch would broadcast a mismatch with only a warning and
+    train on the wrong loss."""
     out_dim = output_shape[-1] if output_shape else 1
     for i, y in enumerate(ys):
+        if not y.is_floating_point() and not class_targets:
+            raise ValueError(f"target {i} is an integer tensor ({y.dtype}), but the loss compares values, not "
+                             "class indices: give float targets (e.g. y.float())")
         if y.is_floating_point():
             if y.numel() != out_dim:
                 raise ValueError(f"target {i} has shape {tuple(y.shape)} but the model's output for one sample has "
@@ -98,3 +103,28 @@ def check_lengths(lengths: Any, what: str) -> List[int]:
             raise ValueError(f"{what}: lengths[{i}] = {v!r} is not a sample length (a whole number >= 1)")
         out.append(int(v))
     return out
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1  # (True would pass for 1)
+
+
+def check_trainer_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm,
+                   lanes) -> None:
+    """ParallelTrainer's options, each refused by name when it is out of range."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if not _positive_int(samples_per_device):
+        raise ValueError(f"samples_per_device must be a positive int, got {samples_per_device!r}")
+    if amp not in (None, "bf16"):
+        raise ValueError(f"amp must be None or 'bf16', got {amp!r}")
+    if nonfinite not in ("skip", "raise", "ignore"):
+        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+    if not _positive_int(accumulation_steps):
+        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
+    if not (pack is True or pack is False or (isinstance(pack, str) and pack == "auto")):  # (1 and 0 pass `in`)
+        raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
+    if lanes is not None and not _positive_int(lanes):
+        raise ValueError(f"lanes must be None or a positive int, got {lanes!r}")

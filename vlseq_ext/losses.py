@@ -45,7 +45,21 @@ class PerSampleLoss:
                 flat = elem.reshape(elem.shape[0], -1)
                 elem = flat.mean(1) if self.loss_fn.reduction == "mean" else flat.sum(1)
             return elem
-        return torch.stack([self.loss_fn(output[i:i + 1], target[i:i + 1]).reshape(()) for i in range(output.shape[0])])
+        losses = []
+        for i in range(output.shape[0]):
+            loss = self.loss_fn(output[i:i + 1], target[i:i + 1])
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                raise ValueError(f"loss_fn returned {shape} for one sample; it must return one number (a 0-dim "
+                                 "tensor), e.g. an nn loss with reduction='mean' or 'sum'")
+            losses.append(loss.reshape(()))
+        return torch.stack(losses)
+
+
+def loss_precision(output: Tensor) -> Tensor:
+    """The output as the loss sees it: half precision (autocast, or a half model) goes up to
+    float32; float32 and float64 stay as they are (a float64 model keeps float64 gradients)."""
+    return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
 
 
 def stack_targets(targets: Sequence[Tensor], output_dim: int) -> Tensor:

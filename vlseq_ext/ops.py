@@ -5,6 +5,7 @@ Trainer code calls these, never _C or torch.ops directly.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Optional, Sequence
 
@@ -95,6 +96,19 @@ def _native() -> bool:
     return False
 
 
+def _count(n: object, i: int) -> int:
+    """numels[i] as an int: int() would turn 2.9 into 2 and True into 1 without a word."""
+    try:
+        if isinstance(n, bool) or isinstance(n, Tensor) and n.dtype == torch.bool:
+            raise TypeError
+        value = operator.index(n)  # ints, NumPy integers, integer 0-dim tensors
+    except TypeError:
+        raise TypeError(f"flatten: numels[{i}] must be a whole number of elements, got {n!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"flatten: numels[{i}] = {value} does not fit in int64")
+    return value
+
+
 def flatten(
     tensors: Sequence[Optional[Tensor]],
     out: Optional[Tensor] = None,
@@ -123,7 +137,7 @@ def flatten(
             if missing:
                 raise ValueError(f"flatten: tensors[{missing[0]}] is None, so numels must be given")
             numels = [t.numel() for t in tensors]
-        numels = [int(n) for n in numels]
+        numels = [_count(n, i) for i, n in enumerate(numels)]
         if len(numels) != len(tensors):
             raise ValueError(f"flatten: numels has {len(numels)} entries but tensors has {len(tensors)}")
         if out is None:

@@ -167,7 +167,7 @@ def broadcast_(src: Tensor, dsts: Sequence[Tensor]) -> None:
     _check_broadcast_disjoint("broadcast_", [src], dsts)
     for d in dsts:
         if d.data_ptr() != src.data_ptr():
-            d.copy_(src)
+            d.copy_(src.reshape(d.shape))  # flat, as the kernels copy: same numel, any shape
 
 
 def all_reduce_tensors_(tensor_lists: Sequence[Sequence[Tensor]], scale: float = 1.0) -> None:
@@ -200,4 +200,4 @@ def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tens
     for lst in dst_lists:
         for s, d in zip(srcs, lst):
             if d.data_ptr() != s.data_ptr():
-                d.copy_(s)
+                d.copy_(s.reshape(d.shape))

@@ -68,15 +68,22 @@ class Lane:
         self.module = module
         self.params = list(module.parameters())
         self.grads = [torch.zeros_like(p) for p in self.params]
-        self.loss = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        # float64 models keep a float64 loss; half-precision ones sum their loss in float32
+        self.loss = torch.zeros((), dtype=torch.promote_types(self.params[0].dtype, torch.float32),
+                                device=self.params[0].device)
         self.stream = stream
 
     def attach(self) -> None:
-        """Give every parameter its static grad tensor (CUDA graphs captured their addresses), e.g.
-        after optimizer.zero_grad(set_to_none=True) dropped them."""
+        """Give every trainable parameter its static grad tensor (CUDA graphs captured their
+        addresses), e.g. after optimizer.zero_grad(set_to_none=True) dropped them. A frozen one
+        (requires_grad=False) keeps grad None, as in plain PyTorch, so that the optimizer skips it:
+        a zero grad would still let weight decay or momentum move it."""
         for p, g in zip(self.params, self.grads):
-            if p.grad is not g:
-                p.grad = g
+            if p.requires_grad:
+                if p.grad is not g:
+                    p.grad = g
+            elif p.grad is g:
+                p.grad = None
 
     def zero_(self) -> None:
         self.attach()
@@ -88,6 +95,10 @@ class ReplicaSet:
 
     def __init__(self, model: nn.Module, devices: List[torch.device]) -> None:
         master_dev = next(model.parameters()).device
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.is_contiguous():  # e.g. a transposed view made a Parameter; the kernels need flat memory
+                    p.data = p.data.contiguous()  # the same Parameter object, so the optimizer still holds it
         self.devices = devices
         self.master_index = devices.index(master_dev)
         self.model = model
@@ -107,6 +118,7 @@ class ReplicaSet:
         self.params = [list(r.parameters()) for r in self.replicas]
         check_param_lists(self.params, "ReplicaSet")
         self.lanes: List[List[Lane]] = [[Lane(r, None)] for r in self.replicas]
+        self._trainable = self._master_trainable()
         for lanes in self.lanes:
             lanes[0].attach()
         self._merge_lists: Optional[ops.DeviceLists] = None
@@ -136,6 +148,23 @@ class ReplicaSet:
             for lane in lanes:
                 if lane.module.training != self.model.training:
                     lane.module.train(self.model.training)
+
+    def _master_trainable(self) -> List[bool]:
+        return [p.requires_grad for p in self.params[self.master_index]]
+
+    def sync_requires_grad(self) -> bool:
+        """Every replica and lane freezes what the master freezes (the user may freeze or unfreeze
+        layers between steps; a replica still frozen would add nothing to an unfrozen parameter's
+        gradient). Returns True when something changed: graphs captured before are stale then."""
+        trainable = self._master_trainable()
+        if trainable == self._trainable:
+            return False
+        for lanes in self.lanes:
+            for lane in lanes:
+                for p, t in zip(lane.params, trainable):
+                    p.requires_grad_(t)
+        self._trainable = trainable
+        return True
 
     def attach_grads(self) -> None:
         for lanes in self.lanes:

@@ -17,6 +17,7 @@ once on the master; a one-kernel P2P broadcast copies the parameters back to the
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,8 +28,8 @@ from .devices import parse_devices
 from .execution import DeviceRunner
 from .graphs import padded_length
 from .guard import StepGuard
-from .inputs import check_lengths, check_samples, check_targets, model_input_dim
-from .losses import PerSampleLoss, stack_targets
+from .inputs import check_lengths, check_samples, check_targets, check_trainer_options, model_input_dim
+from .losses import PerSampleLoss, loss_precision, stack_targets
 from .merge import make_merge
 from .replicas import ReplicaSet
 from .scheduling import assign_lpt
@@ -73,7 +74,8 @@ class ParallelTrainer:
                  clip_grad_norm: Optional[float] = None, amp: Optional[str] = None, accumulation_steps: int = 1,
                  nonfinite: str = "skip", track_grad_norm: bool = False, graph_cache_size: int = 1024,
                  graph_memory_bytes: Optional[int] = None, process_group: Any = "auto") -> None:
-        _check_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm, lanes)
+        check_trainer_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack,
+                              clip_grad_norm, lanes)
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
@@ -109,6 +111,7 @@ class ParallelTrainer:
         self.runner = DeviceRunner(model, self.replicas, self.per_sample_loss, samples_per_device, pack,
                                    self.cuda_graphs, lanes, amp, (graph_cache_size, graph_memory_bytes))
         self._micro_step = self._window_samples = 0
+        self._replicas_zeroed = True  # every gradient set is zero outside a step (see _guarded_forward_backward)
         self.global_step = 0
         self.setup_seconds = 0.0
         self.sync_replicas()
@@ -157,8 +160,10 @@ class ParallelTrainer:
             return
         self.runner.prepare(xs)
         if self.per_sample_loss.unreduced is not None:  # a known nn loss: targets must fit its output
-            check_targets(ys, self.runner.output_shape)
+            check_targets(ys, self.runner.output_shape, isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)))
         self.replicas.sync_mode()
+        if self.replicas.sync_requires_grad():
+            self.runner.drop_graphs()
         self.replicas.attach_grads()
         groups = assign_lpt([x.shape[0] for x in xs], len(self.devices), self.samples_per_device)
         with torch.profiler.record_function("vlseq::forward_backward"):
@@ -190,8 +195,26 @@ class ParallelTrainer:
         xs, ys = self._check(samples, targets)
         self._micro_step = self._window_samples = 0
         self.replicas.zero(range(len(self.devices)))
-        self._forward_backward(xs, ys)
-        return self._merge(len(xs))
+        self._guarded_forward_backward(xs, ys)
+        loss = self._merge(len(xs))
+        self._replicas_zeroed = True
+        return loss
+
+    def _guarded_forward_backward(self, xs: List[Tensor], ys: List[Tensor]) -> None:
+        """_forward_backward; if it raises, the devices that finished hold gradients of a step that
+        never merged, so the next step starts from zero on every device (a caught error must not
+        leak into the next step). Inside an accumulation window the window starts again: the failed
+        call's part cannot be told from the earlier calls'."""
+        self._replicas_zeroed = False
+        try:
+            self._forward_backward(xs, ys)
+        except BaseException:
+            if self._micro_step:
+                warnings.warn(f"vlseq_ext: a step failed inside an accumulation window; the gradients of "
+                              f"its {self._micro_step} earlier call(s) are dropped and the window starts again",
+                              RuntimeWarning, stacklevel=3)
+            self._micro_step = self._window_samples = 0
+            raise
 
     def step(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tensor:
         """compute_gradients, then clipping, the non-finite guard, the optimizer step on the master
@@ -200,9 +223,11 @@ class ParallelTrainer:
         mean per `reduction`) as a 0-dim tensor on the master device; no host sync."""
         xs, ys = self._check(samples, targets)
         if self.accumulation_steps == 1:
-            self.replicas.zero([self.master_index])  # the other replicas were zeroed by the last merge
-            self._forward_backward(xs, ys)
+            # The other replicas were zeroed by the last merge, unless a step failed before its merge.
+            self.replicas.zero([self.master_index] if self._replicas_zeroed else range(len(self.devices)))
+            self._guarded_forward_backward(xs, ys)
             loss = self._merge(len(xs))
+            self._replicas_zeroed = True
             self._optimizer_step()
             return loss
         # Accumulation: the window's grads add up on every replica and merge on the last call; each
@@ -211,12 +236,13 @@ class ParallelTrainer:
             self.replicas.zero(range(len(self.devices)))
         for lanes in self.replicas.lanes:
             lanes[0].loss.zero_()
-        self._forward_backward(xs, ys)
+        self._guarded_forward_backward(xs, ys)
         loss = sum(lanes[0].loss.to(self.master_device, non_blocking=True) for lanes in self.replicas.lanes)
         self._micro_step += 1
         self._window_samples += len(xs)
         if self._micro_step == self.accumulation_steps:
             self._merge(self._window_samples)
+            self._replicas_zeroed = True
             self._micro_step = self._window_samples = 0
             self._optimizer_step()
         return loss / max(len(xs), 1) if self.reduction == "mean" else loss
@@ -233,6 +259,8 @@ class ParallelTrainer:
                  batch_size: int = 64) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """Outputs (B, O) of the master model for `samples`, without gradients (eval mode for the
         duration), on the master device. With targets, returns (outputs, per-sample losses (B,))."""
+        if isinstance(samples, Tensor) or not isinstance(samples, (list, tuple)):  # as step() refuses it
+            raise ValueError("evaluate: samples must be a list of (L, D) tensors")
         if len(samples) == 0:
             raise ValueError("evaluate: no samples (give a non-empty list of (L, D) tensors)")
         if batch_size < 1:
@@ -251,7 +279,7 @@ class ParallelTrainer:
                     outs.append(self.model(chunk) if packed and len(chunk) > 1 else torch.cat([self.model(x) for x in chunk]))
         finally:
             self.model.train(was_training)
-        out = torch.cat(outs).float()
+        out = loss_precision(torch.cat(outs))
         if targets is None:
             return out
         return out, self.per_sample_loss(out, stack_targets(ys, out.shape[-1]).to(self.master_device))
@@ -283,31 +311,66 @@ class ParallelTrainer:
             steps = [[L] * lanes for L in lengths]
         else:
             steps = []
-        for step in steps:
-            xs = [torch.randn(L, dim) for L in step]
-            self.workers.run(lambda d: self.runner.run(d, xs, [y] * len(xs)), range(len(self.devices)))
-        self.replicas.zero(range(len(self.devices)))
+        try:
+            for step in steps:
+                xs = [torch.randn(L, dim) for L in step]
+                self.workers.run(lambda d: self.runner.run(d, xs, [y] * len(xs)), range(len(self.devices)))
+        finally:  # a failed warm-up leaves no gradient behind either
+            self.replicas.zero(range(len(self.devices)))
         if self.is_cuda:
             torch.cuda.synchronize()
         self.setup_seconds += time.perf_counter() - t0
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
-                "micro_step": self._micro_step, "window_samples": self._window_samples}
+        """Counters; inside an accumulation window also the gradients gathered so far (each device's
+        set, on the CPU), so that a resume gives the bits the uninterrupted run gives."""
+        state = {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                 "micro_step": self._micro_step, "window_samples": self._window_samples}
+        if self._micro_step:
+            if self.world_size > 1:
+                raise ValueError("state_dict: inside an accumulation window the gradients gathered so far live in "
+                                 "every process; save after the window's last call (micro_step 0)")
+            # A call folds its lanes into lane 0, so lane 0 holds each device's whole share.
+            state["window_grads"] = [[g.detach().to("cpu", copy=True) for g in lanes[0].grads]
+                                     for lanes in self.replicas.lanes]
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore the counters and re-sync every replica from the master model (load the model
         and optimizer state first)."""
         if not isinstance(state, dict):
             raise ValueError(f"load_state_dict: expected a dict from ParallelTrainer.state_dict(), got {type(state).__name__}")
-        unknown = sorted(set(state) - {"global_step", "skipped_steps", "micro_step", "window_samples"})
+        unknown = sorted(set(state) - {"global_step", "skipped_steps", "micro_step", "window_samples", "window_grads"})
         if unknown:
             raise ValueError(f"load_state_dict: unknown key(s) {unknown}; expected a ParallelTrainer.state_dict()")
+        micro_step = int(state.get("micro_step", 0))
+        if micro_step:
+            self._restore_window(state.get("window_grads"), micro_step)
         self.global_step = int(state.get("global_step", 0))
         self.guard.reset(int(state.get("skipped_steps", 0)))
-        self._micro_step = int(state.get("micro_step", 0))
+        self._micro_step = micro_step
         self._window_samples = int(state.get("window_samples", 0))
         self.sync_replicas()
+
+    def _restore_window(self, grads: Any, micro_step: int) -> None:
+        """The gradients of an accumulation window saved mid-way, back on their devices."""
+        if micro_step >= self.accumulation_steps:
+            raise ValueError(f"load_state_dict: the state is {micro_step} call(s) into an accumulation window, "
+                             f"but this trainer steps every {self.accumulation_steps}")
+        lanes = self.replicas.lanes
+        if not isinstance(grads, list) or len(grads) != len(lanes):
+            have = f"{len(grads)} device(s)" if isinstance(grads, list) else "none"
+            raise ValueError(f"load_state_dict: the state was saved inside an accumulation window, with the gradients "
+                             f"of {have}; resuming it needs the same {len(lanes)} device(s) (or save at a window end)")
+        for d, (saved, dev_lanes) in enumerate(zip(grads, lanes)):
+            mine = dev_lanes[0].grads
+            if len(saved) != len(mine) or any(a.shape != b.shape for a, b in zip(saved, mine)):
+                raise ValueError(f"load_state_dict: the saved window gradients of device {d} do not match the "
+                                 "model's parameters")
+        with torch.no_grad():
+            self.replicas.zero(range(len(lanes)))
+            for saved, dev_lanes in zip(grads, lanes):
+                torch._foreach_copy_(dev_lanes[0].grads, [g.to(dtype=m.dtype) for g, m in zip(saved, dev_lanes[0].grads)])
 
     def fit(self, data, epochs: int = 1, max_steps: Optional[int] = None, shuffle: bool = False,
             seed: int = 0, val_data=None, log_every: int = 0) -> List[Dict[str, float]]:
@@ -319,27 +382,3 @@ class ParallelTrainer:
         trains on its longest-first share of every global step (vlseq_ext.loop)."""
         return loop.fit(self, data, epochs=epochs, max_steps=max_steps, shuffle=shuffle, seed=seed,
                         val_data=val_data, log_every=log_every)
-
-
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1  # (True would pass for 1)
-
-
-def _check_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm,
-                   lanes) -> None:
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if not _positive_int(samples_per_device):
-        raise ValueError(f"samples_per_device must be a positive int, got {samples_per_device!r}")
-    if amp not in (None, "bf16"):
-        raise ValueError(f"amp must be None or 'bf16', got {amp!r}")
-    if nonfinite not in ("skip", "raise", "ignore"):
-        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
-    if not _positive_int(accumulation_steps):
-        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    if not (pack is True or pack is False or (isinstance(pack, str) and pack == "auto")):  # (1 and 0 pass `in`)
-        raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
-    if lanes is not None and not _positive_int(lanes):
-        raise ValueError(f"lanes must be None or a positive int, got {lanes!r}")

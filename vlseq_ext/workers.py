@@ -6,6 +6,10 @@ the GIL inside ops, and autograd already runs each device's backward on a thread
 per-device threads overlap almost all of that host time (a probe on 2xH200, packed LSTM 512x2 at
 k=32: one thread 709 samples/s, one thread per GPU 1,332).
 
+CPU "devices" (cpu:N, for tests and CPU-only machines) run one after the other on the calling
+thread: they share one CPU random generator, which threads would draw from in a racy order (dropout
+masks differing from run to run), and ATen already spreads each op over the cores.
+
 Per-thread state that the work needs is carried over from the calling thread: the current CUDA
 stream of each device (so the work is ordered with the merge that follows on the caller's
 streams) and the grad mode.
@@ -27,8 +31,9 @@ class DeviceWorkers:
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.devices = list(devices)
+        threaded = len(self.devices) > 1 and self.devices[0].type == "cuda"
         self._pool = (ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="vlseq-device")
-                      if len(self.devices) > 1 else None)
+                      if threaded else None)
 
     def _context(self, d: int, stream, grad: bool):
         stack = contextlib.ExitStack()

@@ -78,8 +78,9 @@ void reduce_tensors_cpu(at::TensorList tensors, int64_t num_devices, double scal
 void broadcast_cpu(const at::Tensor& src, at::TensorList dsts) {
   TORCH_CHECK(src.defined(), "broadcast_: src is undefined");
   check_broadcast_lists("broadcast_", {src}, dsts);
+  // Flat copies, as the CUDA kernel makes them: the contract is same numel and dtype, not same shape.
   for (const at::Tensor& d : dsts) {
-    if (d.data_ptr() != src.data_ptr()) d.copy_(src);
+    if (d.data_ptr() != src.data_ptr()) d.view(-1).copy_(src.view(-1));
   }
 }
 
@@ -87,7 +88,7 @@ void broadcast_tensors_cpu(at::TensorList srcs, at::TensorList dsts) {
   check_broadcast_lists("broadcast_tensors_", srcs, dsts);
   for (size_t i = 0; i < dsts.size(); ++i) {
     const at::Tensor& s = srcs[i % srcs.size()];
-    if (dsts[i].data_ptr() != s.data_ptr()) dsts[i].copy_(s);
+    if (dsts[i].data_ptr() != s.data_ptr()) dsts[i].view(-1).copy_(s.view(-1));
   }
 }
 
