@@ -2,6 +2,7 @@
 prediction-only files), synthetic data, .ts loading through aeon, and the resumable length-bucketed
 samplers."""
 import importlib.util
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -356,3 +357,163 @@ def test_ts_messages_speak_ts(tmp_path):
     assert not ds.has_targets and ds.lengths.tolist() == [3, 4]
     ds = data.load_ts(unknown, targets_required=False, class_names=["c", "a"])
     assert ds.targets.tolist() == [1, 0] and ds.output_dim == 2
+
+
+@needs_aeon
+def test_ts_prediction_without_class_names_maps_integer_labels_by_value(tmp_path):
+    """A model trained on a .npz knows class indices 0..C-1, no names: a .ts file's labels "2", "0",
+    "1" are those indices, whatever order its @classLabel lists them in (which maps them at training)."""
+    path = tmp_path / "t.ts"
+    path.write_text("@problemName x\n@univariate true\n@equalLength false\n@classLabel true 2 0 1\n@data\n"
+                    "1,2,3:0\n4,5:1\n6,7:2\n8,9:0\n")
+    ds = data.load_ts(path, task="classification", targets_required=False)  # as vlseq-predict calls it
+    assert ds.targets.tolist() == [0, 1, 2, 0] and ds.output_dim == 3 and ds.class_names is None
+    assert data.load_ts(path, task="classification", targets_required=False, num_classes=5).output_dim == 5
+    with pytest.raises(DataError, match="sample 2 has class label 2, but the model has 2 classes"):
+        data.load_ts(path, task="classification", targets_required=False, num_classes=2)
+    train = data.load_ts(path)  # training: the header order defines the classes (and their names)
+    assert train.targets.tolist() == [1, 2, 0, 1] and train.class_names == ["2", "0", "1"]
+    named = tmp_path / "n.ts"
+    named.write_text("@problemName x\n@univariate true\n@equalLength false\n@classLabel true a b\n@data\n1,2:a\n3:b\n")
+    with pytest.raises(DataError) as err:
+        data.load_ts(named, task="classification", targets_required=False)
+    msg = str(err.value)
+    assert "sample 0 has label 'a'" in msg and "trained without class names" in msg and "\n" not in msg, msg
+
+
+@needs_aeon
+@pytest.mark.parametrize("labels, expect", [("A a B", "labels 'A', 'a' differ only in case"),
+                                            ("x y x", "lists the label 'x' more than once")])
+def test_ts_class_labels_that_collide_are_refused(tmp_path, labels, expect):
+    """aeon lowercases labels: A and a would be merged into one class, a repeated label adds a phantom one."""
+    path = tmp_path / "c.ts"
+    path.write_text(f"@problemName x\n@univariate true\n@equalLength false\n@classLabel true {labels}\n@data\n"
+                    "1,2,3:x\n4,5:y\n")
+    for kwargs in ({}, {"targets_required": False, "class_names": ["a", "b"]}):
+        with pytest.raises(DataError) as err:
+            data.load_ts(path, **kwargs)
+        assert expect in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_subset_takes_boolean_masks_and_refuses_other_indices():
+    ds = data.synthetic(20, num_features=2, min_length=1, max_length=9)
+    mask = ds.lengths > 5
+    sub = ds.subset(mask)
+    assert 0 < len(sub) < len(ds) and sub.lengths.tolist() == ds.lengths[mask].tolist()
+    assert torch.equal(sub.targets, ds.targets[torch.from_numpy(mask)])
+    assert len(ds.subset(torch.from_numpy(mask))) == len(sub)
+    assert ds.subset([3, 1]).lengths.tolist() == ds.lengths[[3, 1]].tolist() and len(ds.subset([])) == 0
+    with pytest.raises(TypeError, match="must be integers or a boolean mask, got dtype float64"):
+        ds.subset([1.7, 2.0])  # was truncated to 1
+    with pytest.raises(ValueError, match=r"one entry per sample \(20\), got shape \(3,\)"):
+        ds.subset(np.array([True, False, True]))  # was read as indices 1, 0, 1
+    with pytest.raises(IndexError, match="subset index 20 is out of range for 20 samples"):
+        ds.subset([0, 20])
+
+
+@pytest.mark.parametrize("where", ["values", "targets", "offsets"])
+def test_timedelta_arrays_are_refused(tmp_path, where):
+    """numpy counts timedelta64 as an integer: NaT read as -9.2e18 and the unit was lost."""
+    a = good_arrays()
+    a[where] = a[where].astype(np.int64).astype("m8[ms]")
+    path = write_npz(tmp_path / "td.npz", **a)
+    with pytest.raises(DataError) as err:
+        data.load_ragged(path)
+    assert f"'{where}' must be" in str(err.value) and "timedelta64[ms]" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_integers_beyond_2_24_warn_when_cast_to_float32(tmp_path, task):
+    """float32 holds integers up to 2**24 exactly: beyond, the cast rounds them; a warning names it."""
+    values = np.array([[1], [16777217], [3], [2 ** 53 + 1], [2 ** 63 - 1], [5]], np.int64)  # 2**63 - 1: rounds up
+    targets = np.array([16777217, 1, 0]) if task == "regression" else np.array([2, 1, 0])
+    path = write_npz(tmp_path / "big.npz", values=values, offsets=np.array([0, 2, 4, 6]), targets=targets)
+    with pytest.warns(UserWarning) as rec:
+        ds = data.load_ragged(path, task=task)
+    msgs = [str(w.message) for w in rec]
+    assert (f"{path}: 'values': 3 integer values change when cast to float32 (the training dtype; largest change 1 "
+            "at sample 0); scale or offset them first") in msgs, msgs
+    if task == "regression":
+        assert any("'targets': 1 integer value changes" in m and "at sample 0" in m for m in msgs), msgs
+    else:
+        assert ds.targets.tolist() == [2, 1, 0] and len(msgs) == 1  # class indices stay int64
+    assert all("\n" not in m for m in msgs)
+    ok = write_npz(tmp_path / "ok.npz", values=np.array([[16777216], [-16777216]]), offsets=np.array([0, 1, 2]),
+                   targets=np.array([0.5, 1.5]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.load_ragged(ok)
+
+
+def test_save_ragged_refuses_what_the_loader_refuses(tmp_path):
+    with pytest.raises(DataError, match="sample 1: 'values' must be numeric, got dtype complex128"):
+        data.save_ragged(tmp_path / "c.npz", [np.ones((2, 1)), np.array([[1 + 5j], [2 + 6j]])], [0.5, 1.5])
+    big = np.ones((3, 2))
+    big[2, 1] = -1e39  # finite in float64; was written as -inf
+    with pytest.raises(DataError) as err:
+        data.save_ragged(tmp_path / "o.npz", [np.ones((2, 2)), big], [0.5, 1.5])
+    assert "sample 1 has the value -1e+39 at step 2, which overflows float32" in str(err.value), err.value
+    with pytest.raises(DataError, match="'targets' must be numeric, got dtype complex128"):
+        data.save_ragged(tmp_path / "t.npz", [np.ones((2, 1))], np.array([1j]))
+    assert not list(tmp_path.iterdir())  # nothing written
+    with pytest.warns(UserWarning, match="'values': 1 integer value changes when cast to float32"):
+        data.save_ragged(tmp_path / "i.npz", [np.array([[1], [2]]), np.array([[2 ** 25 + 1]])], [0.5, 1.5])
+
+
+def _zip_member_flags(path, local_offset, central_offset, value, mask=0xFFFF):
+    """Patches a 2-byte field of the first member's local and central zip headers."""
+    d = bytearray(path.read_bytes())
+    for start, off in ((0, local_offset), (d.find(b"PK\x01\x02"), central_offset)):
+        old = int.from_bytes(d[start + off:start + off + 2], "little")
+        d[start + off:start + off + 2] = ((old & ~mask) | value).to_bytes(2, "little")
+    path.write_bytes(bytes(d))
+
+
+@pytest.mark.parametrize("kind, expect", [
+    ("deflate", "corrupt or truncated"), ("encrypted", "is encrypted"), ("method", "compression method"),
+    ("no_npy", "member 'values' is not a .npy array"), ("huge_header", "Unable to allocate")])
+def test_damaged_npz_archives_give_one_line(tmp_path, kind, expect):
+    import io
+    import zipfile
+    path = tmp_path / "d.npz"
+    if kind == "deflate":  # a damaged deflate stream: zlib.error
+        np.savez_compressed(path, **good_arrays())
+        d = bytearray(path.read_bytes())
+        name_len, extra_len = int.from_bytes(d[26:28], "little"), int.from_bytes(d[28:30], "little")
+        d[30 + name_len + extra_len] = 0xFF
+        path.write_bytes(bytes(d))
+    elif kind == "encrypted":  # the flag of a password-protected member: RuntimeError
+        write_npz(path, **good_arrays())
+        _zip_member_flags(path, 6, 8, 1, mask=1)
+    elif kind == "method":  # deflate64, which zipfile cannot read: NotImplementedError
+        write_npz(path, **good_arrays())
+        _zip_member_flags(path, 8, 10, 9)
+    elif kind == "no_npy":  # np.load returns such a member as bytes
+        with zipfile.ZipFile(path, "w") as z:
+            for k in ("values", "offsets", "targets"):
+                z.writestr(k, b"1,2,3")
+    else:  # a header claiming 8 PB: MemoryError (numpy allocates before it reads)
+        with zipfile.ZipFile(path, "w") as z:
+            for k, v in good_arrays().items():
+                b = io.BytesIO()
+                if k == "values":
+                    np.lib.format.write_array_header_1_0(b, {"descr": "<f8", "fortran_order": False,
+                                                             "shape": (10 ** 15,)})
+                else:
+                    np.save(b, v)
+                z.writestr(f"{k}.npy", b.getvalue())
+    with pytest.raises(DataError) as err:
+        data.load_ragged(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: ") and expect in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("where", ["values", "targets"])
+def test_float16_loads_without_numpy_warnings(tmp_path, where):
+    a = good_arrays()
+    a[where] = a[where].astype(np.float16)
+    path = write_npz(tmp_path / "h.npz", **a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was: RuntimeWarning: overflow encountered in cast
+        ds = data.load_ragged(path)
+    assert ds.values.dtype == torch.float32 and len(ds) == 5

@@ -8,7 +8,9 @@ Every failure raises `DataError` with a one-line message that names the file and
 from __future__ import annotations
 
 import math
+import re
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -16,7 +18,7 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from .ragged import MAX_CLASS_LABEL, DataError, RaggedDataset, build_dataset, from_sequences
+from .ragged import MAX_CLASS_LABEL, DataError, RaggedDataset, build_dataset, float32_values, from_sequences
 
 __all__ = ["DataError", "RaggedDataset", "save_ragged", "load_ragged", "load_ts", "synthetic", "japanese_vowels",
            "open_dataset", "split", "sequence_lengths", "BUILTIN", "MAX_CLASS_LABEL"]
@@ -30,13 +32,26 @@ def save_ragged(path: PathLike, sequences: Sequence[Any], targets: Any = None) -
     concatenated), `offsets` (N+1,) int64 (sample i is values[offsets[i]:offsets[i+1]]) and
     `targets` (N, ...) as given (float for regression, integer class indices for classification).
     `sequences` are (L_i, D) arrays or tensors. targets None writes no `targets` array: a file for
-    vlseq-predict only."""
-    seqs = [np.asarray(s.detach().cpu() if isinstance(s, Tensor) else s, dtype=np.float32) for s in sequences]
+    vlseq-predict only.
+    Refuses (DataError) what load_ragged would refuse in the written file, or could not see there:
+    complex or time values (a cast drops the imaginary part, or the unit), values that overflow
+    float32 (they would be written as inf); warns when integers beyond 2**24 round in the cast."""
+    seqs = [np.asarray(s.detach().cpu() if isinstance(s, Tensor) else s) for s in sequences]
+    for i, s in enumerate(seqs):
+        if s.dtype.kind in "cmM":
+            raise DataError(f"{path}: sample {i}: 'values' must be numeric, got dtype {s.dtype}")
+        if s.dtype.kind not in "biuf":  # e.g. an object array of numbers: cast as before, float64 to check the range
+            seqs[i] = np.asarray(s, dtype=np.float64)
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.concatenate(seqs) if seqs else np.zeros((0, 0), np.float32)
-    arrays = {"values": values, "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+    if values.ndim == 2:  # other shapes are written as they are, for load_ragged to name
+        values = float32_values(values, offsets, str(path))
+    arrays = {"values": values.astype(np.float32, copy=False), "offsets": offsets}
     if targets is not None:
         arrays["targets"] = np.asarray(targets.detach().cpu() if isinstance(targets, Tensor) else targets)
+        if arrays["targets"].dtype.kind not in "biuf":  # load_ragged refuses it (an object array cannot even be read)
+            raise DataError(f"{path}: 'targets' must be numeric, got dtype {arrays['targets'].dtype}")
     np.savez(path, **arrays)
 
 
@@ -49,6 +64,18 @@ def check_file(path: Path, hint: str = "") -> None:
     if path.exists():
         raise DataError(f"{path}: is not a regular file (a device, pipe or socket){hint}")
     raise DataError(f"{path}: no such file{hint}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+# what a damaged member's decompressor raises besides zlib.error (bz2 raises OSError)
+try:
+    import lzma
+    _DECOMPRESS_ERRORS: Tuple[type, ...] = (lzma.LZMAError,)
+except ImportError:  # Python built without lzma: zipfile cannot read such members either
+    _DECOMPRESS_ERRORS = ()
 
 
 def load_ragged(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False,
@@ -74,13 +101,23 @@ def load_ragged(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool
             if missing:
                 raise DataError(f"{path}: missing array(s) {', '.join(missing)} "
                                 f"(found: {', '.join(f.files) or 'none'})")
-            values, offsets = f["values"], f["offsets"]
-            targets = f["targets"] if "targets" in f.files else None
+            arrays = {k: f[k] for k in ("values", "offsets", "targets") if k in f.files}
     except DataError:
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(f"{path}: cannot read as .npz (corrupt or truncated?): {msg}") from None
+    except NotImplementedError as exc:  # zipfile: an unknown compression method (before RuntimeError: a subclass)
+        raise DataError(f"{path}: cannot read as .npz: {_first_line(exc)} (np.savez writes stored or deflated "
+                        "members)") from None
+    except RuntimeError as exc:  # zipfile: "File 'values.npy' is encrypted, password required for extraction"
+        raise DataError(f"{path}: cannot read as .npz: {_first_line(exc)} (np.savez writes no password)") from None
+    except MemoryError as exc:  # an array header may claim any shape; numpy allocates it before reading
+        raise DataError(f"{path}: cannot read as .npz: {_first_line(exc)} (a corrupt array header, or an array "
+                        "too large for this machine's memory)") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, zlib.error) + _DECOMPRESS_ERRORS as exc:
+        raise DataError(f"{path}: cannot read as .npz (corrupt or truncated?): {_first_line(exc)}") from None
+    for k, a in arrays.items():
+        if not isinstance(a, np.ndarray):  # np.load gives a member named without .npy as raw bytes
+            raise DataError(f"{path}: member {k!r} is not a .npy array (np.savez names it {k}.npy)")
+    values, offsets, targets = arrays["values"], arrays["offsets"], arrays.get("targets")
     return build_dataset(values, offsets, targets, str(path), task, drop_nonfinite, num_classes=num_classes)
 
 
@@ -89,13 +126,55 @@ def _has_data_line(path: Path) -> bool:
         return any(line.strip().lower().startswith("@data") for line in fh)
 
 
+def _raw_class_labels(path: Path) -> List[str]:
+    """The @classLabel list as the file writes it (aeon lowercases it); the last one wins, as in aeon."""
+    labels: List[str] = []
+    with open(path, "r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            tokens = line.split()
+            if tokens and tokens[0].lower() == "@data":
+                break
+            if tokens and tokens[0].lower() == "@classlabel":
+                labels = tokens[2:]
+    return labels
+
+
+def _check_class_header(path: Path, header: List[str]) -> None:
+    """aeon lowercases class labels: 'A' and 'a' would become one class, and a repeated label a
+    phantom one (an index no sample has, after which every later label shifts)."""
+    if len(set(header)) == len(header):
+        return
+    twice = next(c for i, c in enumerate(header) if c in header[:i])
+    raw = _raw_class_labels(path)
+    same = [r for r in raw if r.lower() == twice] if len(raw) == len(header) else []
+    if len(set(same)) > 1:
+        raise DataError(f"{path}: @classLabel labels {', '.join(map(repr, same))} differ only in case, and aeon "
+                        "(the .ts reader) lowercases labels: rename them so they stay distinct")
+    raise DataError(f"{path}: @classLabel lists the label {(same or [twice])[0]!r} more than once")
+
+
+def _labels_by_value(path: Path, y: np.ndarray) -> np.ndarray:
+    """Labels "0", "1", ... as class indices: for a model trained without class names (on a .npz's
+    indices 0..C-1), which the file's @classLabel order says nothing about."""
+    for i, v in enumerate(y):
+        if not re.fullmatch(r"[+-]?[0-9]{1,18}", str(v)):  # 18 digits: an int64 (beyond, far too large anyway)
+            raise DataError(f"{path}: sample {i} has label {str(v)!r}, but the model was trained without class "
+                            "names (on class indices 0..C-1), so only integer labels can be matched to its classes")
+    return np.array([int(str(v)) for v in y], dtype=np.int64)
+
+
 def load_ts(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = False,
-            targets_required: bool = True, class_names: Optional[List[str]] = None) -> RaggedDataset:
+            targets_required: bool = True, class_names: Optional[List[str]] = None,
+            num_classes: Optional[int] = None) -> RaggedDataset:
     """Load a UEA/UCR .ts file (equal or unequal length) through aeon's `load_from_ts_file`.
     Class labels become indices into `class_names` (the file's @classLabel order); a
     @targetLabel file gives a regression target. Needs the optional extra: pip install 'vlseq_ext[ts]'.
+    aeon lowercases class labels: labels that then collide are refused.
     For prediction: targets_required=False accepts a file without labels; class_names (the
-    trained model's classes, in its order) maps the labels instead of the file's @classLabel list."""
+    trained model's classes, in its order) maps the labels instead of the file's @classLabel list.
+    A prediction without class_names (the model was trained on class indices, e.g. from a .npz)
+    maps integer labels by value ("2" is class 2, whatever the @classLabel order) and refuses
+    named ones; num_classes (the model's) bounds them."""
     path = Path(path)
     check_file(path)
     try:
@@ -119,7 +198,12 @@ def load_ts(path: PathLike, task: Optional[str] = None, drop_nonfinite: bool = F
             raise DataError(f"{path}: the file has no class or target labels")
         return from_sequences(seqs, None, str(path), task, drop_nonfinite, class_names)
     if meta.get("classlabel") and task != "regression":
-        names = class_names or [str(c) for c in (meta.get("class_values") or sorted(set(map(str, y))))]
+        header = [str(c) for c in (meta.get("class_values") or [])]
+        _check_class_header(path, header)
+        if not class_names and not targets_required:  # no names to map by: the model knows indices only
+            return from_sequences(seqs, _labels_by_value(path, y), str(path), "classification", drop_nonfinite,
+                                  num_classes=num_classes)
+        names = class_names or header or sorted(set(map(str, y)))
         index = {c: i for i, c in enumerate(names)}
         unknown = [i for i, v in enumerate(y) if str(v) not in index]
         if unknown:

@@ -8,20 +8,22 @@ training dtype (float32): a finite float64 value beyond float32's range is as ba
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Sequence, Tuple
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["DataError", "RaggedDataset", "build_dataset", "from_sequences", "MAX_CLASS_LABEL"]
+__all__ = ["DataError", "RaggedDataset", "build_dataset", "from_sequences", "float32_values", "MAX_CLASS_LABEL"]
 
 # Class labels are indices 0..C-1: the model gets one output per index up to the largest label. A
 # label far beyond the number of distinct labels (>= 10 x distinct + 100) or above this bound is
 # almost surely an id, not an index, and would build a huge output layer.
 MAX_CLASS_LABEL = 1_000_000
 F32_MAX = float(np.finfo(np.float32).max)
+F32_EXACT_INT = 2 ** 24  # float32 holds every integer up to this exactly; beyond, it rounds
 
 
 class DataError(ValueError):
@@ -77,8 +79,25 @@ class RaggedDataset(Dataset):
         return h.hexdigest()
 
     def subset(self, index: Sequence[int]) -> "RaggedDataset":
-        """The samples at `index`, sharing this dataset's value storage."""
-        index = np.asarray(index, dtype=np.int64)
+        """The samples at `index` (integer indices, or a boolean mask of len(self)), sharing this
+        dataset's value storage."""
+        index = np.asarray(index)
+        n = len(self)
+        if index.dtype == np.bool_:
+            if index.shape != (n,):
+                raise ValueError(f"{self.name}: a boolean mask must have one entry per sample ({n}), "
+                                 f"got shape {index.shape}")
+            index = np.flatnonzero(index)
+        elif index.size == 0:
+            index = np.zeros(0, np.int64)  # np.asarray([]) is float64
+        elif index.dtype.kind not in "iu":  # a cast would truncate 1.7 to 1 (and timedelta64 is an integer to numpy)
+            raise TypeError(f"{self.name}: subset indices must be integers or a boolean mask, got dtype {index.dtype}")
+        if index.ndim != 1:
+            raise ValueError(f"{self.name}: subset indices must be 1-D, got shape {index.shape}")
+        out = (index >= n) | ((index < -n) if index.dtype.kind == "i" else False)  # before the cast: uint64 wraps
+        if out.any():
+            raise IndexError(f"{self.name}: subset index {int(index[np.argmax(out)])} is out of range for {n} samples")
+        index = index.astype(np.int64)
         sub = RaggedDataset.__new__(RaggedDataset)
         sub.__dict__.update(self.__dict__)
         sub.starts, sub.lengths, sub.targets = self.starts[index], self.lengths[index], self.targets[index]
@@ -94,6 +113,12 @@ def from_sequences(sequences: Sequence[np.ndarray], targets: Optional[np.ndarray
     return build_dataset(values, offsets, targets, name, task, drop_nonfinite, class_names, num_classes)
 
 
+def _real(dtype: np.dtype, bool_ok: bool = False) -> bool:
+    """Integer or float (or bool). Not timedelta64, which numpy counts as an integer (NaT would read
+    as -9.2e18 and the unit would be lost), nor complex (the imaginary part would be dropped)."""
+    return dtype.kind in ("iufb" if bool_ok else "iuf")
+
+
 def _as_float32(values: np.ndarray) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """values cast to float32 (the training dtype), and a mask of the elements that were finite
     before the cast and are not after it (they overflow float32), or None when none can."""
@@ -101,9 +126,66 @@ def _as_float32(values: np.ndarray) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         return values, None
     with np.errstate(over="ignore", invalid="ignore"):
         out = values.astype(np.float32)
-    if not np.issubdtype(values.dtype, np.floating) or np.finfo(values.dtype).max <= F32_MAX:
+    # float(): finfo(float16).max compared with a Python float is cast to float16 (and overflows)
+    if not np.issubdtype(values.dtype, np.floating) or float(np.finfo(values.dtype).max) <= F32_MAX:
         return out, None
     return out, np.isfinite(values) & ~np.isfinite(out)
+
+
+def _int_rounding(values: np.ndarray, out: np.ndarray) -> Tuple[int, int, int]:
+    """For integer `values` and `out`, their float32 cast: how many values changed, the largest
+    change and its flat position ((0, 0, -1) when none did)."""
+    if values.dtype.kind not in "iu" or values.dtype.itemsize < 4:
+        return 0, 0, -1
+    flat = values.reshape(-1)
+    big = np.flatnonzero((flat > F32_EXACT_INT) | ((flat < -F32_EXACT_INT) if flat.dtype.kind == "i" else False))
+    if not len(big):
+        return 0, 0, -1
+    raw, got = flat[big], out.reshape(-1)[big].astype(np.float64)
+    # float32 may round up to 2**63 (2**31, 2**64), which the integer type cannot hold: a cast back
+    # would wrap, so those changes are computed from the type's maximum
+    top = np.iinfo(values.dtype).max
+    over = got >= float(top) + 1
+    change = np.zeros(len(raw), np.uint64)
+    back = got[~over].astype(values.dtype)
+    change[~over] = np.maximum(raw[~over], back) - np.minimum(raw[~over], back)  # no negative uint
+    change[over] = (top - raw[over]) + 1
+    k = int(np.argmax(change))
+    return int((change > 0).sum()), int(change[k]), int(big[k])
+
+
+def _warn_int_rounding(raw: np.ndarray, out: np.ndarray, name: str, what: str,
+                       sample_of: Callable[[int], int]) -> None:
+    """A warning (not an error: the data is usable, only less exact) when integers beyond 2**24 change
+    in the cast to float32. sample_of maps a flat position to its sample index."""
+    count, largest, pos = _int_rounding(raw, out)
+    if count:
+        many = f"{count} integer values change" if count > 1 else "1 integer value changes"
+        warnings.warn(f"{name}: '{what}': {many} when cast to float32 (the training dtype; largest change "
+                      f"{largest} at sample {sample_of(pos)}); scale or offset them first", UserWarning, stacklevel=3)
+
+
+def _overflow_message(name: str, i: int, value: float, where: str, more: str = "", hint: str = "") -> str:
+    return (f"{name}: sample {i} has the value {value:.4g} {where}, which overflows float32 (the training dtype; "
+            f"largest {F32_MAX:.4g}){more}; rescale the data{hint}")
+
+
+def float32_values(values: np.ndarray, offsets: np.ndarray, name: str) -> np.ndarray:
+    """`values` (total_steps, D) cast to float32 as the loader casts them, for writing: DataError when
+    one is not a real number or overflows float32 (as loading would), a warning when integers round."""
+    if not _real(values.dtype, bool_ok=True):
+        raise DataError(f"{name}: 'values' must be numeric, got dtype {values.dtype}")
+    out, over = _as_float32(values)
+    if over is not None and over.any():
+        row, col = np.unravel_index(int(np.argmax(over)), over.shape)
+        i = _sample_of_step(offsets, row)
+        raise DataError(_overflow_message(name, i, values[row, col], f"at step {row - int(offsets[i])}"))
+    _warn_int_rounding(values, out, name, "values", lambda pos: _sample_of_step(offsets, pos // values.shape[1]))
+    return out
+
+
+def _sample_of_step(offsets: np.ndarray, row: int) -> int:
+    return int(np.searchsorted(offsets, row, side="right")) - 1
 
 
 def _where(rows: np.ndarray) -> str:
@@ -120,11 +202,11 @@ def build_dataset(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.
         raise DataError(f"{name}: no samples ('offsets' needs N+1 >= 2 entries for N samples, got {len(offsets)})")
     if values.ndim != 2:
         raise DataError(f"{name}: 'values' must have shape (total_steps, features), got {values.shape}")
-    if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
+    if not _real(values.dtype):
         raise DataError(f"{name}: 'values' must be numeric, got dtype {values.dtype}")
     if values.shape[1] == 0:
         raise DataError(f"{name}: 'values' has 0 features per step")
-    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
         raise DataError(f"{name}: 'offsets' must be a 1-D integer array, got shape {offsets.shape} "
                         f"dtype {offsets.dtype}")
     offsets = offsets.astype(np.int64)
@@ -147,8 +229,7 @@ def build_dataset(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.
         targets = np.zeros(n, np.int64 if task == "classification" else np.float32)
     if targets.ndim == 0 or targets.shape[0] != n:
         raise DataError(f"{name}: 'targets' must have one row per sample ({n}), got shape {targets.shape}")
-    if not (np.issubdtype(targets.dtype, np.floating) or np.issubdtype(targets.dtype, np.integer)
-            or targets.dtype == np.bool_):
+    if not _real(targets.dtype, bool_ok=True):
         raise DataError(f"{name}: 'targets' must be numeric, got dtype {targets.dtype}")
     if targets.size == 0:
         raise DataError(f"{name}: 'targets' has shape {targets.shape}: no target values per sample")
@@ -162,11 +243,13 @@ def build_dataset(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.
     # sample has length >= 1). A finite float64 value beyond float32's range counts too.
     raw_values, raw_targets = values, targets
     values, over = _as_float32(values)
+    _warn_int_rounding(raw_values, values, name, "values", lambda pos: _sample_of_step(offsets, pos // values.shape[1]))
     bad_rows = ~np.isfinite(values).all(axis=1)
     bad = np.add.reduceat(bad_rows, offsets[:-1]) > 0
     t_over = None
     if task == "regression":
         targets, t_over = _as_float32(targets.reshape(n, -1))
+        _warn_int_rounding(raw_targets, targets, name, "targets", lambda pos: pos // targets.shape[1])
         bad |= ~np.isfinite(targets).all(axis=1)
     elif np.issubdtype(targets.dtype, np.floating):
         bad |= ~np.isfinite(targets.reshape(n, -1)).all(axis=1)
@@ -181,9 +264,8 @@ def build_dataset(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.
         else:
             flag, raw = (t_over[i] if t_over is not None else None), raw_targets.reshape(n, -1)[i]
         if flag is not None and flag.any():
-            raise DataError(f"{name}: sample {i} has the value {raw[int(np.argmax(flag))]:.4g} {_where(rows)}, "
-                            f"which overflows float32 (the training dtype; largest {F32_MAX:.4g}){more}; rescale "
-                            "the data, or pass --drop-nonfinite to skip such samples")
+            raise DataError(_overflow_message(name, i, raw[int(np.argmax(flag))], _where(rows), more,
+                                              ", or pass --drop-nonfinite to skip such samples"))
         raise DataError(f"{name}: sample {i} has a non-finite value (NaN or inf) {_where(rows)}"
                         f"{more}; pass --drop-nonfinite to skip them")
     if dropped:

@@ -94,7 +94,8 @@ def _load_data(args: argparse.Namespace, meta: Dict[str, Any]) -> RaggedDataset:
     task, classes = meta["task"], int(meta["output_dim"])
     if path.suffix.lower() == ".ts":
         names = meta.get("class_names") if task == "classification" else None
-        ds = load_ts(path, task=task, targets_required=False, class_names=list(names) if names else None)
+        ds = load_ts(path, task=task, targets_required=False, class_names=list(names) if names else None,
+                     num_classes=classes if task == "classification" else None)
     else:
         ds = load_ragged(path, task=task, targets_required=False,
                          num_classes=classes if task == "classification" else None)
