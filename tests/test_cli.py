@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -389,7 +390,7 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "metrics.jsonl").write_bytes(before["metrics.jsonl"])
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "m")
-    one_line_error(rc, err, "already holds a run", "--overwrite")
+    one_line_error(rc, err, "holds the outputs of a run that saved no checkpoint", "nothing to resume", "--overwrite")
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "new",
                      "--metrics", run_dir / "metrics.jsonl")
     one_line_error(rc, err, f"--metrics {run_dir / 'metrics.jsonl'} already exists", "--overwrite")
@@ -402,6 +403,117 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
     assert checkpoint.load_checkpoint(run_dir)["run"]["step"] == 3 and sorted(steps(run_dir / "metrics.jsonl")) == [1, 2, 3]
     rc, _, err = run(capsys, "--resume", run_dir, "--max-steps", 4)
     assert rc == 0 and "resuming at step 3" in err, err
+
+
+def test_a_resume_never_replaces_another_run_or_a_later_point(tmp_path, capsys):
+    a, b, h = tmp_path / "A", tmp_path / "B", tmp_path / "H"
+    for d, steps_ in ((a, 2), (b, 3), (h, 2)):
+        rc, _, err = run(capsys, *SMALL, "--max-steps", steps_, "--checkpoint-dir", d)
+        assert rc == 0, err
+    before = snapshot(b)
+    # another run's folder
+    rc, _, err = run(capsys, "--resume", a, "--max-steps", 4, "--checkpoint-dir", b)
+    one_line_error(rc, err, f"--checkpoint-dir {b} already holds a run", "another --checkpoint-dir")
+    assert snapshot(b) == before
+    # another run's checkpoint copied into a folder whose last.pt it would replace
+    (b / "a.pt").write_bytes((a / "last.pt").read_bytes())
+    rc, _, err = run(capsys, "--resume", b / "a.pt", "--max-steps", 4)
+    one_line_error(rc, err, f"{b / 'last.pt'} holds another run", "another --checkpoint-dir")
+    (b / "a.pt").unlink()
+    assert snapshot(b) == before
+    # an older copy of this run, resumed into its own folder that holds a later point
+    (h / "early.pt").write_bytes((h / "last.pt").read_bytes())
+    rc, _, err = run(capsys, "--resume", h, "--max-steps", 4)
+    assert rc == 0, err
+    later = snapshot(h)
+    rc, _, err = run(capsys, "--resume", h / "early.pt", "--max-steps", 3)
+    one_line_error(rc, err, "holds step 4 of this run, later than the resumed step 2")
+    assert snapshot(h) == later
+    # ... while a later copy may continue into a folder holding an earlier point of the same run
+    (h / "late.pt").write_bytes((h / "last.pt").read_bytes())
+    (h / "last.pt").write_bytes(later["early.pt"])
+    rc, _, err = run(capsys, "--resume", h / "late.pt", "--max-steps", 5)
+    assert rc == 0 and "resuming at step 4" in err, err
+
+
+def test_a_fork_leaves_the_original_runs_files_alone(tmp_path, capsys):
+    ea, eb = tmp_path / "EA", tmp_path / "EB"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", ea, "--metrics", ea / "m.jsonl",
+                     "--plot", ea / "curve.png")
+    assert rc == 0, err
+    before = snapshot(ea)
+    rc, _, err = run(capsys, "--resume", ea, "--checkpoint-dir", eb, "--max-steps", 4)
+    assert rc == 0, err
+    assert snapshot(ea) == before
+    assert sorted(steps(eb / "metrics.jsonl")) == [3, 4] and (eb / "last.pt").exists()
+
+
+def test_an_overwrite_that_dies_early_leaves_no_old_checkpoint_to_resume(tmp_path, capsys, monkeypatch):
+    # The new run emptied the metrics at once but the old last.pt stayed: a resume then continued the
+    # old run on top of the new run's metrics.
+    c = tmp_path / "C"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", c)
+    assert rc == 0, err
+    monkeypatch.setattr(checkpoint, "_write_bytes", lambda f, data: (_ for _ in ()).throw(OSError(28, "No space")))
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", c, "--overwrite", "--lr", "0.005")
+    assert rc == 2 and "cannot save the checkpoint" in err, err
+    monkeypatch.undo()
+    assert not (c / "last.pt").exists()
+    rc, _, err = run(capsys, "--resume", c, "--max-steps", 4)
+    one_line_error(rc, err, "no checkpoint there")
+
+
+@pytest.mark.parametrize("content", [b"my notes\nimportant results: 0.93\n", b"[1,2]\n", b"\x89PNG\r\n\x1a\n\x00",
+                                     b'{"step": "x", "type": "step"}\n'])
+def test_a_resume_refuses_to_rewrite_a_file_that_is_not_its_metrics(tmp_path, capsys, content):
+    a = tmp_path / "A"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", a)
+    assert rc == 0, err
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(content)
+    rc, _, err = run(capsys, "--resume", a, "--max-steps", 3, "--metrics", notes)
+    one_line_error(rc, err, f"--metrics {notes} is not a vlseq-train metrics file", "choose another --metrics",
+                   during_training=True)
+    assert notes.read_bytes() == content
+
+
+def test_a_resume_appends_to_a_stream_and_never_replaces_it(tmp_path, capsys):
+    # os.replace over the path turned /dev/null (a saved --metrics) into a regular file
+    fifo_dir = tmp_path / "r"
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", fifo_dir, "--metrics", fifo)
+    assert rc == 0, err
+    reader.join(30)
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    rc, _, err = run(capsys, "--resume", fifo_dir, "--max-steps", 3)
+    assert rc == 0, err
+    reader.join(30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert [json.loads(x)["step"] for x in got[1].decode().splitlines() if json.loads(x)["type"] == "step"] == [3]
+
+
+def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):
+    fig = tmp_path / "fig.png"
+    fig.write_bytes(b"the user's figure")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "r", "--plot", fig)
+    one_line_error(rc, err, f"--plot {fig} already exists", "--overwrite")
+    assert fig.read_bytes() == b"the user's figure"
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "vlseq-20261201-120000")
+    args = cli.build_parser().parse_args([*SMALL, "--max-steps", "1"])
+    first, _ = cli.resolve_config(args)
+    second, _ = cli.resolve_config(args)
+    assert first["checkpoint_dir"] == str(Path("runs/vlseq-20261201-120000"))
+    assert second["checkpoint_dir"] == str(Path("runs/vlseq-20261201-120000-2"))
+    assert Path(second["checkpoint_dir"]).is_dir()
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -585,8 +697,8 @@ def test_a_run_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     live = RunFolderLock(tmp_path / "run")  # another run holds the folder (a separate open file: flock conflicts)
     (tmp_path / "run" / "metrics.jsonl").write_text("the live run's\n")
     try:
-        for extra, expect in (([], "already holds a run"), (["--overwrite"], "another vlseq-train run is using "
-                                                                               "this folder now")):
+        for extra, expect in (([], "holds the outputs of a run that saved no checkpoint"),
+                              (["--overwrite"], "another vlseq-train run is using this folder now")):
             rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", *extra)
             one_line_error(rc, err, expect)
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]

@@ -111,3 +111,18 @@ def test_a_plot_that_fails_to_save_leaves_the_old_plot(tmp_path, monkeypatch, um
         write_plot(path, history, "run")
     assert path.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
+
+
+def test_a_stream_is_written_in_place_never_replaced(tmp_path):
+    # os.replace over /dev/null (vlseq-predict --metrics /dev/null --overwrite) made it a regular file
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    files.write_atomically(fifo, lambda fh: fh.write("streamed"), text=True)
+    reader.join(30)
+    assert got == [b"streamed"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert files.is_stream("/dev/null") and files.is_stream("/dev/stdout") and not files.is_stream(tmp_path)

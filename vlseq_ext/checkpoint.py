@@ -10,14 +10,16 @@ full disk) removes its temporary file, leaves the previous checkpoint as it was 
 Checkpoints hold only tensors and plain Python values, so they load with
 torch.load(weights_only=True): no arbitrary code runs when a checkpoint is opened.
 
-Reading: `read_checkpoint` tells a vlseq checkpoint from a foreign, truncated or inconsistent file
-(`CheckpointError`, one line), and `load_model` returns the trained model of a vlseq-train run.
+Reading: `read_checkpoint` tells a vlseq checkpoint from a foreign, truncated, damaged (a member
+failing its zip CRC-32: torch.load never checks them) or inconsistent file (`CheckpointError`, one
+line), and `load_model` returns the trained model of a vlseq-train run.
 """
 from __future__ import annotations
 
 import io
 import pickle
 import random
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -40,8 +42,9 @@ RESUME_KEYS = MODEL_KEYS + ("optimizer", "trainer", "sampler", "run", "rng")
 
 
 class CheckpointError(ValueError):
-    """A file that is not a usable vlseq checkpoint: foreign, truncated or corrupt, or inconsistent
-    (its configuration does not match its weights). The message is one line naming the file."""
+    """A file that is not a usable vlseq checkpoint: foreign, truncated or corrupt, damaged (a member
+    fails its zip CRC-32), or inconsistent (its configuration does not match its weights). The
+    message is one line naming the file."""
 
 
 class CheckpointWriteError(OSError):
@@ -132,26 +135,68 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
+_CRC_CHUNK = 16 << 20  # bytes per read while checking a member: bounded extra memory for any size
+
+
+def _check_crcs(raw: bytes, found: Path) -> bool:
+    """Every member of the zip archive `raw` (the bytes of `found`) must match its stored CRC-32:
+    torch.load does not check them, so a bit flipped on disk or in transfer would otherwise load
+    as silently wrong weights. False when zipfile cannot open `raw` as an archive (a truncated
+    file has no central directory): that is left to torch.load and its usual errors."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(raw))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return False
+    with zf:
+        infos = zf.infolist()
+        # torch.serialization.set_crc32_options(False) writes 0 for every CRC: nothing to check.
+        if all(info.CRC == 0 for info in infos if info.file_size):
+            return True
+        for info in infos:
+            try:
+                with zf.open(info) as member:  # zipfile checks the CRC-32 once a member is read to its end
+                    while member.read(_CRC_CHUNK):
+                        pass
+            except zipfile.BadZipFile as exc:
+                if "CRC" in str(exc):
+                    raise CheckpointError(f"{found}: the checkpoint is damaged: member {info.filename!r} fails its "
+                                          "CRC check (a bit flipped on disk or in transfer); use an earlier "
+                                          "copy") from None
+                raise CheckpointError(f"{found}: truncated or corrupt ({len(raw)} bytes): member "
+                                      f"{info.filename!r}: {_first_line(exc)}") from None
+            except Exception as exc:  # zlib.error, EOFError, NotImplementedError (an unknown compression)...
+                raise CheckpointError(f"{found}: truncated or corrupt ({len(raw)} bytes): member "
+                                      f"{info.filename!r}: {_first_line(exc)}") from None
+    return True
+
+
 def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu",
                     need: Sequence[str] = RESUME_KEYS) -> Dict[str, Any]:
     """Load and check a vlseq-train checkpoint (a file, or a run folder holding last.pt).
     `need`: the entries it must have (RESUME_KEYS to continue training, MODEL_KEYS to predict).
     Raises FileNotFoundError when there is none, CheckpointError (one line) when the file is not
-    a vlseq checkpoint, is truncated or corrupt, or its configuration disagrees with its weights."""
+    a vlseq checkpoint, is truncated or corrupt, is damaged (a member's bytes fail the CRC-32 the
+    zip archive stores for them, checked before anything is unpickled), or its configuration
+    disagrees with its weights."""
     found = find_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path}: no checkpoint there (expected {CHECKPOINT_NAME} in a run folder, "
                                 "or a checkpoint file)")
-    size = found.stat().st_size
+    # Read once: the CRCs are checked and torch.load reads from the same bytes (no second pass over
+    # the disk, and no window in which the file could change between the check and the load).
+    raw = found.read_bytes()
+    size = len(raw)
     if size == 0:
         raise CheckpointError(f"{found}: truncated or corrupt: the file is empty (0 bytes)")
-    with open(found, "rb") as fh:
-        head = fh.read(4)
+    head = raw[:4]
     if head[:4] != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save writes a zip archive (a pickle long ago)
         raise CheckpointError(f"{found}: truncated or corrupt, or another kind of file: {size} bytes without the zip "
                               "(or pickle) header of a torch checkpoint")
+    # A checked archive loads from the bytes in memory; anything else (a truncated archive, an old
+    # pickle) from the path, as before, so its errors read as they always did.
+    checked = head == b"PK\x03\x04" and _check_crcs(raw, found)
     try:
-        ckpt = torch.load(found, map_location=map_location, weights_only=True)
+        ckpt = torch.load(io.BytesIO(raw) if checked else found, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
             raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds Python objects that vlseq checkpoints "

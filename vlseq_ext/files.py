@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Union
 
-__all__ = ["write_atomically", "fsync_dir", "new_file_mode"]
+__all__ = ["write_atomically", "is_stream", "fsync_dir", "new_file_mode"]
 
 PathLike = Union[str, Path]
 _umask_lock = threading.Lock()
@@ -50,6 +50,18 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def is_stream(path: PathLike) -> bool:
+    """A device, FIFO or socket (or a name under /dev or /proc, such as /dev/stdout): written in
+    place, never replaced. Renaming a file over /dev/null would turn it into a regular file."""
+    text = str(path)
+    if text.startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: bool = False,
                      durable: bool = False, clear_stale: bool = False) -> Path:
     """write(fh) into a temporary file beside `path`, then rename it over `path`.
@@ -58,9 +70,15 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     durable: fsync the file before the rename and the directory after it (checkpoints).
     clear_stale: first remove temporaries of this path left by a killed writer; only for callers
     that hold the folder alone (a training run holds its run folder).
-    A symbolic link is written through: its target gets the new file, and the link stays.
+    A symbolic link is written through: its target gets the new file, and the link stays. A stream
+    (is_stream: /dev/null, a FIFO, /dev/stdout) is written in place.
     Raises the OSError of a failed write; `path` is then unchanged and no temporary is left."""
     path = Path(path)
+    if is_stream(path):
+        kw = {"newline": "", "encoding": "utf-8"} if text else {}
+        with open(path, "w" if text else "wb", **kw) as fh:
+            write(fh)
+        return path
     if path.is_symlink():  # write where the link points; replacing the link would leave its target stale
         path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)

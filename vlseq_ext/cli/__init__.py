@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import distributed
+from ..checkpoint import CHECKPOINT_NAME
 from ..data import DataError
 from ..distributed import DistributedError
 from .checks import CLIError
@@ -54,7 +55,15 @@ class _PeerFailed(Exception):
 
 def _resolve_and_lock(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]], RunFolderLock]:
     cfg, ckpt = resolve_config(args)
-    return cfg, ckpt, RunFolderLock(Path(cfg["checkpoint_dir"]))
+    lock = RunFolderLock(Path(cfg["checkpoint_dir"]), cfg.pop("claimed_dirs", ()))
+    if getattr(args, "overwrite", False):  # the new run starts now: a crash before its first checkpoint must not leave the old
+        old = Path(cfg["checkpoint_dir"]) / CHECKPOINT_NAME  # run's checkpoint beside the new run's metrics
+        try:
+            old.unlink(missing_ok=True)
+        except OSError as exc:
+            lock.release()
+            raise CLIError(f"--overwrite: cannot remove the old checkpoint {old}: {exc.strerror or exc}") from None
+    return cfg, ckpt, lock
 
 
 def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]],

@@ -200,14 +200,42 @@ def check_output_paths(cfg: Dict[str, Any], resumed: Optional[Path] = None) -> N
 
 
 def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:
-    """A new run must not replace an old run's checkpoint or metrics (use --resume or --overwrite)."""
+    """A new run (or a fork of one into a new folder) must not replace an old run's checkpoint,
+    metrics or plot (use --resume or --overwrite)."""
     run_dir = Path(cfg["checkpoint_dir"])
-    found = [p for p in (run_dir / CHECKPOINT_NAME, Path(cfg["metrics"])) if p.is_file() and p.stat().st_size > 0]
+    ckpt = run_dir / CHECKPOINT_NAME
+    outputs = [(ckpt, "--checkpoint-dir"), (Path(cfg["metrics"]), "--metrics"), (Path(cfg["plot"]), "--plot")]
+    found = [(p, flag) for p, flag in outputs if p.is_file() and p.stat().st_size > 0]
     if not found:
         return
-    names = ", ".join(str(p) for p in found)
-    if (run_dir / CHECKPOINT_NAME) in found or cfg.get("metrics_default", True):
+    names = ", ".join(str(p) for p, _ in found)
+    if ckpt.is_file():
         raise CLIError(f"--checkpoint-dir {run_dir} already holds a run ({names}): continue it with --resume "
                        f"{run_dir}, choose another --checkpoint-dir, or pass --overwrite to replace it")
-    raise CLIError(f"--metrics {cfg['metrics']} already exists: continue its run with --resume, choose another "
-                   "--metrics file, or pass --overwrite to replace it")
+    explicit = [(p, flag) for p, flag in found if not cfg.get(f"{flag[2:]}_default", True)]
+    if explicit:
+        path, flag = explicit[0]
+        raise CLIError(f"{flag} {path} already exists: choose another {flag} file, or pass --overwrite to replace it")
+    raise CLIError(f"--checkpoint-dir {run_dir} holds the outputs of a run that saved no checkpoint ({names}), "
+                   "so there is nothing to resume: choose another --checkpoint-dir, or pass --overwrite to replace them")
+
+
+def check_resume_target(cfg: Dict[str, Any], resumed: Path, ckpt: Dict[str, Any]) -> None:
+    """A resume writes its checkpoint to --checkpoint-dir/last.pt. Refused when that file is not the
+    one resumed and holds another run, or a later point of this run: the resume would replace it."""
+    target = Path(cfg["checkpoint_dir"]) / CHECKPOINT_NAME
+    if not target.exists() or same_file(target, resumed):
+        return
+    from ..checkpoint import CheckpointError, read_checkpoint
+    try:
+        there = read_checkpoint(target, need=("config", "run"))
+        run_id, step = there["config"].get("run_id"), int(there["run"]["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        run_id, step = None, None
+    mine = ckpt["config"].get("run_id")
+    if mine is not None and run_id == mine and step is not None and step <= int(ckpt["run"]["step"]):
+        return  # an earlier point of this very run: continuing from a later copy loses nothing
+    what = (f"step {step} of this run, later than the resumed step {int(ckpt['run']['step'])}"
+            if mine is not None and run_id == mine else "another run")
+    raise CLIError(f"--checkpoint-dir {target.parent}: {target} holds {what}; resuming {resumed} here would "
+                   "replace it: give another --checkpoint-dir (a fork of the resumed run)")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME, CheckpointError, find_checkpoint, read_checkpoint
 from ..data import BUILTIN
@@ -27,7 +28,7 @@ DEFAULTS: Dict[str, Any] = dict(
 # What a resumed run must keep: these define the model and the data order.
 FIXED_ON_RESUME = ("model", "hidden", "layers", "task", "seed", "val_fraction", "synthetic_samples")
 # Options that belong to this invocation only, never to the saved configuration.
-NOT_SAVED = ("resume", "overwrite")
+NOT_SAVED = ("resume", "overwrite", "claimed_dirs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +131,9 @@ def _load_resumed(spec: str) -> Dict[str, Any]:
 
 def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """Merge defaults, a resumed checkpoint's configuration and the options given now, and check
-    the result: numbers, sizes, output paths, and that a new run does not reuse an old run's folder.
-    Returns (config, checkpoint or None). Touches no file."""
+    the result: numbers, sizes, output paths, and that a new run does not reuse an old run's folder
+    (nor a resume another run's, or a later point of its own). Returns (config, checkpoint or None).
+    Touches no file but the default run folder, which it creates (empty) to claim its name."""
     given = {k: v for k, v in vars(args).items() if v is not None and k not in NOT_SAVED}
     overwrite = bool(getattr(args, "overwrite", False))
     ckpt = None
@@ -145,35 +147,65 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
                 raise CLIError(f"--{k.replace('_', '-')} {given[k]} differs from the checkpoint's {saved.get(k)}; "
                                "a resumed run keeps its model, seed and data split")
         cfg = {**DEFAULTS, **saved, **given}
+        resumed_dir = find_checkpoint(args.resume).parent
+        fork = "checkpoint_dir" in given and not checks.same_file(Path(given["checkpoint_dir"]), resumed_dir)
         if "checkpoint_dir" not in given:
-            found = Path(args.resume)
-            cfg["checkpoint_dir"] = str(found if found.is_dir() else found.parent)
+            cfg["checkpoint_dir"] = str(resumed_dir)
         for k in ("metrics", "plot"):  # follow the checkpoint directory unless a path was given now
-            if k not in given and saved.get(f"{k}_default"):
+            if k not in given and (saved.get(f"{k}_default") or fork):  # a fork leaves the original's files alone
                 cfg[k] = None
     else:
-        cfg = {**DEFAULTS, **given}
+        cfg = {**DEFAULTS, **given, "run_id": uuid.uuid4().hex}  # tells this run's checkpoints from others'
+        fork = False
     if ("max_steps" in given) != ("epochs" in given):  # one limit given alone replaces both
         cfg["epochs" if "max_steps" in given else "max_steps"] = None
     if cfg["amp"] == "none":
         cfg["amp"] = None
     checks.check_numbers(cfg)
     checks.check_sizes(cfg, ckpt)
-    explicit_dir = bool(cfg["checkpoint_dir"])
-    if not explicit_dir:
-        base = Path("runs") / time.strftime("vlseq-%Y%m%d-%H%M%S")
-        run_dir, i = base, 1
-        while run_dir.exists():
-            i += 1
-            run_dir = base.with_name(f"{base.name}-{i}")
-        cfg["checkpoint_dir"] = str(run_dir)
-    for k, name in (("metrics", "metrics.jsonl"), ("plot", "loss.png")):
-        cfg[f"{k}_default"] = cfg[k] is None
-        if cfg[k] is None:
-            cfg[k] = str(Path(cfg["checkpoint_dir"]) / name)
-    if not cfg["plot_default"] and not matplotlib_available():
-        raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
-    checks.check_output_paths(cfg, find_checkpoint(args.resume) if ckpt is not None else None)
-    if ckpt is None and not overwrite:
-        checks.check_not_a_previous_run(cfg)
+    claimed = [] if cfg["checkpoint_dir"] else _claim_run_folder()
+    if claimed:
+        cfg["checkpoint_dir"] = str(claimed[0])
+        cfg["claimed_dirs"] = claimed  # (not saved) the run's lock removes them again if it leaves them empty
+    try:
+        for k, name in (("metrics", "metrics.jsonl"), ("plot", "loss.png")):
+            cfg[f"{k}_default"] = cfg[k] is None
+            if cfg[k] is None:
+                cfg[k] = str(Path(cfg["checkpoint_dir"]) / name)
+        if not cfg["plot_default"] and not matplotlib_available():
+            raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
+        checks.check_output_paths(cfg, find_checkpoint(args.resume) if ckpt is not None else None)
+        if (ckpt is None and not overwrite) or fork:
+            checks.check_not_a_previous_run(cfg)
+        if ckpt is not None:
+            checks.check_resume_target(cfg, find_checkpoint(args.resume), ckpt)
+    except BaseException:
+        for d in claimed:
+            try:
+                d.rmdir()  # still empty: nothing was written
+            except OSError:
+                break
+        raise
     return cfg, ckpt
+
+
+def _claim_run_folder() -> List[Path]:
+    """A new folder runs/vlseq-<time>[-N], created here so that runs started in the same second each
+    get their own (mkdir either creates it or fails: no two runs can both take one name). Returns the
+    folders created, deepest (the run folder) first, as checks.missing_dirs lists them."""
+    base = Path("runs") / time.strftime("vlseq-%Y%m%d-%H%M%S")
+    created = checks.missing_dirs(base.parent)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--checkpoint-dir: cannot create {base.parent}: {exc.strerror or exc}") from None
+    for i in range(1, 10_000):
+        run_dir = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            run_dir.mkdir()
+            return [run_dir] + created
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise CLIError(f"--checkpoint-dir: cannot create {run_dir}: {exc.strerror or exc}") from None
+    raise CLIError(f"cannot find a free run folder name beside {base}: pass --checkpoint-dir")

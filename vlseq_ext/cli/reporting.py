@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..files import write_atomically
+from ..files import is_stream, write_atomically
 from .checks import CLIError
 
 
@@ -45,23 +45,33 @@ class MetricsFile:
 
 def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
     """Open the metrics file for appending. On resume, records after the checkpoint's step are
-    dropped first (atomically), so the file reads as one uninterrupted run; otherwise it starts empty."""
+    dropped first (atomically), so the file reads as one uninterrupted run; otherwise it starts empty.
+    A stream (/dev/null, a FIFO) is only appended to. A file that is not a metrics file is refused
+    (CLIError) rather than rewritten: a resume with --metrics notes.txt would have kept only JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.exists():
         return open(path, "w", encoding="utf-8")
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= resume_step:
-                keep.append(line + "\n")
-        except ValueError:  # a line torn by a crash
-            pass
-    tmp = path.with_name(f".{path.name}.tmp")
+    if is_stream(path):
+        return open(path, "a", encoding="utf-8")
+    not_metrics = f"--metrics {path} is not a vlseq-train metrics file"
     try:
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CLIError(f"{not_metrics} (not UTF-8 text); resuming would rewrite it: choose another --metrics") from None
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:  # the last line, torn by a crash
+                continue
+            rec = None
+        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and "type" in rec):
+            raise CLIError(f"{not_metrics} (line {i + 1} is not one of its records); resuming would rewrite it: "
+                           "choose another --metrics")
+        if rec["step"] <= resume_step:
+            keep.append(line + "\n")
+    write_atomically(path, lambda fh: fh.write("".join(keep)), text=True)
     return open(path, "a", encoding="utf-8")
 
 

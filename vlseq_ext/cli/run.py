@@ -9,7 +9,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,14 +36,15 @@ class RunFolderLock:
     removed again on release when the run left nothing in it. Where flock is missing (Windows, some
     network file systems) runs are not guarded."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, created: Sequence[Path] = ()) -> None:
+        """created: folders the configuration made for this run already (deepest first)."""
         self.fd: Optional[int] = None
-        self.created: List[Path] = []
+        self.created: List[Path] = list(created)
         try:
             import fcntl
         except ImportError:
             return
-        self.created = missing_dirs(path)
+        self.created += missing_dirs(path)
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -61,7 +62,7 @@ class RunFolderLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        for d in self.created:
+        for d in self.created:  # deepest first
             try:
                 d.rmdir()  # only if empty
             except OSError:

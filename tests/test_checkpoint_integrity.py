@@ -1,0 +1,162 @@
+"""A checkpoint with one bit flipped on disk (or in transfer) is refused, not loaded: torch.load never
+checks the CRC-32s of the zip archive torch.save writes, so read_checkpoint does, and every reader
+(read_checkpoint, load_model, vlseq-predict, vlseq-train --resume) stops with one line naming the
+file and the damaged member. Undamaged checkpoints, and archives written without CRCs, still load."""
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vlseq_ext import checkpoint, cli, data
+from vlseq_ext.checkpoint import CheckpointError, load_model, read_checkpoint
+from vlseq_ext.cli import predict
+
+TRAIN = ["--devices", "cpu", "--hidden", "8", "--quiet", "--val-fraction", "0", "--max-steps", "2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny vlseq-train run (5 features, 2 outputs) and data to predict on."""
+    root = tmp_path_factory.mktemp("integrity")
+    rng = np.random.default_rng(0)
+    seqs = [rng.standard_normal((int(rng.integers(2, 9)), 5)).astype(np.float32) for _ in range(16)]
+    data.save_ragged(root / "train.npz", seqs, np.stack([[s.mean(), s[-1, 0]] for s in seqs]))
+    data.save_ragged(root / "new.npz", seqs[:5])
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli.main([*TRAIN, "--data", str(root / "train.npz"), "--checkpoint-dir", str(root / "run")]) == 0
+    finally:
+        torch.set_num_threads(n)
+    return root
+
+
+def data_start(raw: bytes, info: zipfile.ZipInfo) -> int:
+    """Where a member's bytes begin: after its local header, whose extra field (torch pads it to
+    align tensors) may differ from the central directory's."""
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def flip_bit(src: Path, dst: Path, member=None) -> str:
+    """Copy `src` to `dst` with one bit flipped in the middle of a member's data (by default the
+    largest tensor, i.e. model or optimizer weights); returns the member's name."""
+    raw = bytearray(src.read_bytes())
+    infos = zipfile.ZipFile(src).infolist()
+    if member is None:
+        info = max((i for i in infos if i.filename.split("/")[-2:-1] == ["data"]), key=lambda i: i.file_size)
+    else:
+        info = next(i for i in infos if i.filename == member)
+    assert info.compress_type == zipfile.ZIP_STORED and info.file_size > 0
+    raw[data_start(bytes(raw), info) + info.file_size // 2] ^= 0x04
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(bytes(raw))
+    assert zipfile.ZipFile(dst).testzip() == info.filename  # really damaged, and only there
+    return info.filename
+
+
+def damaged_message(path: Path, member: str) -> str:
+    return f"{path}: the checkpoint is damaged: member '{member}' fails its CRC check"
+
+
+def test_undamaged_checkpoint_still_loads(trained, tmp_path, capsys):
+    ckpt = read_checkpoint(trained / "run")
+    assert set(checkpoint.RESUME_KEYS) <= set(ckpt)
+    model = load_model(trained / "run")
+    assert not model.training
+    assert torch.equal(model.state_dict()["fc.weight"], ckpt["model"]["fc.weight"])
+    rc = predict.main(["--checkpoint", str(trained / "run"), "--data", str(trained / "new.npz"),
+                       "--out", str(tmp_path / "p.npy"), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    assert np.load(tmp_path / "p.npy").shape == (5, 2)
+
+
+def test_flipped_bit_in_weights_is_refused_by_read_checkpoint_and_load_model(trained, tmp_path):
+    bad = tmp_path / "flipped.pt"
+    member = flip_bit(trained / "run" / "last.pt", bad)
+    before = bad.read_bytes()
+    for load in (read_checkpoint, lambda p: read_checkpoint(p, need=checkpoint.MODEL_KEYS), load_model):
+        with pytest.raises(CheckpointError) as info:
+            load(bad)
+        msg = str(info.value)
+        assert msg.startswith(damaged_message(bad, member)) and "use an earlier copy" in msg, msg
+        assert "\n" not in msg
+    assert bad.read_bytes() == before  # reading never repairs or rewrites
+
+
+def test_every_tensor_member_is_checked(trained, tmp_path):
+    """Not just the largest: a flip in any tensor (weights, optimizer moments, RNG state) or in the
+    pickle that describes them is caught."""
+    good = trained / "run" / "last.pt"
+    members = [i.filename for i in zipfile.ZipFile(good).infolist()
+               if i.file_size and (i.filename.split("/")[-2:-1] == ["data"] or i.filename.endswith("data.pkl"))]
+    assert len(members) > 5
+    for k, member in enumerate(members):
+        bad = tmp_path / f"flip{k}.pt"
+        flip_bit(good, bad, member)
+        with pytest.raises(CheckpointError, match="fails its CRC check") as info:
+            read_checkpoint(bad)
+        assert f"member '{member}'" in str(info.value)
+
+
+def test_flipped_bit_in_a_saved_checkpoint(trained, tmp_path):
+    """save_checkpoint's own output (a run's state written again), read back through read_checkpoint."""
+    state = checkpoint.load_checkpoint(trained / "run")
+    path = checkpoint.save_checkpoint(state, tmp_path / "a" / "last.pt")
+    assert torch.equal(read_checkpoint(path)["model"]["fc.weight"], state["model"]["fc.weight"])
+    member = flip_bit(path, tmp_path / "b" / "last.pt")
+    with pytest.raises(CheckpointError, match=f"member '{member}' fails its CRC check"):
+        read_checkpoint(tmp_path / "b")
+
+
+def test_vlseq_predict_refuses_a_damaged_checkpoint(trained, tmp_path, capsys):
+    bad = tmp_path / "flipped.pt"
+    member = flip_bit(trained / "run" / "last.pt", bad)
+    rc = predict.main(["--checkpoint", str(bad), "--data", str(trained / "new.npz"), "--out", str(tmp_path / "p.npy")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("vlseq-predict: error: ") and err.count("\n") == 1, err
+    assert damaged_message(bad, member) in err and "Traceback" not in err
+    assert not (tmp_path / "p.npy").exists()
+
+
+def test_resume_refuses_a_damaged_checkpoint(trained, tmp_path, capsys):
+    bad = tmp_path / "run" / "last.pt"
+    member = flip_bit(trained / "run" / "last.pt", bad)
+    before = bad.read_bytes()
+    rc = cli.main(["--resume", str(bad.parent), "--max-steps", "4"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--resume: {damaged_message(bad, member)}" in err
+    assert bad.read_bytes() == before and sorted(p.name for p in bad.parent.iterdir()) == ["last.pt"]
+
+
+@pytest.mark.skipif(not hasattr(torch.serialization, "set_crc32_options"), reason="torch writes CRCs always")
+def test_archive_written_without_crcs_still_loads(trained, tmp_path):
+    """torch.serialization.set_crc32_options(False) stores 0 for every CRC: nothing to check, not damage."""
+    state = checkpoint.load_checkpoint(trained / "run")
+    torch.serialization.set_crc32_options(False)
+    try:
+        path = checkpoint.save_checkpoint(state, tmp_path / "last.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert all(i.CRC == 0 for i in zipfile.ZipFile(path).infolist())
+    assert torch.equal(read_checkpoint(path)["model"]["fc.weight"], state["model"]["fc.weight"])
+
+
+def test_truncated_checkpoint_keeps_its_message(trained, tmp_path):
+    raw = (trained / "run" / "last.pt").read_bytes()
+    path = tmp_path / "half.pt"
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(CheckpointError, match=f"{path}: truncated or corrupt \\({len(raw) // 2} bytes\\): "):
+        read_checkpoint(path)
