@@ -39,6 +39,8 @@ class PerSampleLoss:
         self.unreduced = _batchable(loss_fn)
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        if target.is_floating_point() and target.dtype != output.dtype:
+            target = target.to(output.dtype)  # a float64 model's loss: torch 2.11's mse backward refuses mixed dtypes
         if self.unreduced is not None:
             elem = self.unreduced(output, target)
             if elem.dim() > 1:

@@ -40,6 +40,16 @@ def suite_list(spec: str) -> str:
     return ",".join(s for s in SUITES if s in parts)  # in run order, once each
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def bench_devices(spec: Optional[str]) -> List[torch.device]:
     """--devices, parsed by vlseq_ext.devices.parse_devices (the one device parser). Without the
     option: every visible GPU, and on a machine without GPUs two CPU "devices" ("cpu:2"), so the
@@ -116,6 +126,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed repeats per measurement (default 7 merge, flatten and diag / 5 train / 3 sweep; "
                          "quick 5 / 3 / 3)")
+    ap.add_argument("--sweep-deadline", type=_positive_seconds, default=None, metavar="SECONDS",
+                    help="seconds of sweep measurements after which the remaining points are skipped, each with "
+                         "that reason (default 420, quick 150; the worker processes get 5/7 of it): raise it on a "
+                         "slow or busy machine")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
 
@@ -130,7 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # One intra-op thread: the CPU "devices" share the cores anyway (as do the gloo DDP processes,
         # one thread each), and OpenMP regions on a busy machine turn microseconds into milliseconds.
         torch.set_num_threads(1)
-    budget = Budget.make(args.quick, args.repeats)
+    budget = Budget.make(args.quick, args.repeats, args.sweep_deadline)
     res = Results(collect_meta(devices, argv, args.quick, args.suite))
     say = tqdm.write
     say(f"vlseq-bench: {len(devices)} x {devices[0].type} ({', '.join(map(str, devices))}), suite {args.suite}"

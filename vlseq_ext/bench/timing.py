@@ -108,7 +108,7 @@ class Budget:
     sweep_mp_deadline_s: float = 300.0
 
     @classmethod
-    def make(cls, quick: bool, repeats: Optional[int] = None) -> "Budget":
+    def make(cls, quick: bool, repeats: Optional[int] = None, sweep_deadline_s: Optional[float] = None) -> "Budget":
         if quick:
             b = cls(True, 5, 3, 0.02, 0.02, 0.2, sweep_repeats=3, sweep_target_s=0.1, sweep_warmup_s=1.0,
                     sweep_deadline_s=150.0, sweep_mp_deadline_s=100.0)
@@ -116,4 +116,6 @@ class Budget:
             b = cls(False, 7, 5, 0.1, 0.05, 0.8)
         if repeats:
             b.merge_repeats = b.train_repeats = b.sweep_repeats = repeats
+        if sweep_deadline_s is not None:  # a slow or shared machine: the guard moves, the worker share stays 5/7
+            b.sweep_deadline_s, b.sweep_mp_deadline_s = sweep_deadline_s, sweep_deadline_s * 5 / 7
         return b
