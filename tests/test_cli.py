@@ -497,6 +497,25 @@ def test_a_resume_appends_to_a_stream_and_never_replaces_it(tmp_path, capsys):
     assert [json.loads(x)["step"] for x in got[1].decode().splitlines() if json.loads(x)["type"] == "step"] == [3]
 
 
+def test_a_resume_from_another_folder_names_the_saved_data_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data.save_ragged("d.npz", [np.ones((5, 3), np.float32)] * 8, np.zeros((8, 1), np.float32))
+    rc, _, err = run(capsys, *SMALL, "--data", "d.npz", "--max-steps", 2, "--checkpoint-dir", "r")
+    assert rc == 0, err
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, _, err = run(capsys, "--resume", "../r", "--max-steps", 3)
+    one_line_error(rc, err, "the run's data d.npz (saved in the checkpoint", "pass --data")
+    rc, _, err = run(capsys, "--resume", "../r", "--max-steps", 3, "--data", "../d.npz")
+    assert rc == 0 and "resuming at step 2" in err, err
+
+
+def test_a_checkpoint_path_that_is_a_folder_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "LD" / "last.pt").mkdir(parents=True)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "LD")
+    one_line_error(rc, err, "last.pt: is a directory, not a file")
+
+
 def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):
     fig = tmp_path / "fig.png"
     fig.write_bytes(b"the user's figure")

@@ -126,3 +126,13 @@ def test_a_stream_is_written_in_place_never_replaced(tmp_path):
     reader.join(30)
     assert got == [b"streamed"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert files.is_stream("/dev/null") and files.is_stream("/dev/stdout") and not files.is_stream(tmp_path)
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_a_plot_titled_with_a_non_utf8_file_name_is_written(tmp_path):
+    # a data file named with bytes that are not UTF-8 reaches the title as surrogate escapes
+    from vlseq_ext.cli.reporting import write_plot
+
+    history = {"step": [1, 2], "loss": [1.0, 0.5], "val_step": [], "val_loss": [], "val_accuracy": []}
+    write_plot(tmp_path / "loss.png", history, "vlseq-train: caf\udce9.npz")
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -189,6 +189,7 @@ def check_output_paths(cfg: Dict[str, Any], resumed: Optional[Path] = None) -> N
     """The run's outputs can be written, and none is the data file, the checkpoint resumed from (the
     new checkpoint may replace that one: it continues the run) or another output."""
     check_dir(Path(cfg["checkpoint_dir"]), "--checkpoint-dir")
+    check_file(Path(cfg["checkpoint_dir"]) / CHECKPOINT_NAME, "--checkpoint-dir")  # (not a directory: found late)
     check_file(Path(cfg["metrics"]), "--metrics")
     check_file(Path(cfg["plot"]), "--plot", plot_formats())
     outputs = [("--metrics", Path(cfg["metrics"])), ("--plot", Path(cfg["plot"]))]

@@ -147,6 +147,9 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
                 raise CLIError(f"--{k.replace('_', '-')} {given[k]} differs from the checkpoint's {saved.get(k)}; "
                                "a resumed run keeps its model, seed and data split")
         cfg = {**DEFAULTS, **saved, **given}
+        if "data" not in given and cfg["data"] not in BUILTIN and not Path(cfg["data"]).exists():
+            raise CLIError(f"--resume: the run's data {cfg['data']} (saved in the checkpoint, relative to the folder "
+                           f"the run started in) is not there from {Path.cwd()}: run from that folder, or pass --data")
         resumed_dir = find_checkpoint(args.resume).parent
         fork = "checkpoint_dir" in given and not checks.same_file(Path(given["checkpoint_dir"]), resumed_dir)
         if "checkpoint_dir" not in given:

@@ -229,6 +229,8 @@ def write_plot(path: Path, history: Dict[str, List[Any]], title: str) -> str:
     says how many. Returns the summary's note: the path, and how many values were left out."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
+    title = title.encode("utf-8", "replace").decode("utf-8")  # a non-UTF-8 file name: matplotlib refuses surrogates
+
     steps, loss = np.array(history["step"]), np.array(history["loss"], dtype=np.float64)
     vs, vl = np.array(history["val_step"]), np.array(history["val_loss"], dtype=np.float64)
     ok, vok = np.isfinite(loss), np.isfinite(vl)
