@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,22 @@ def test_load_model_returns_the_trained_model_in_eval_mode(trained):
     (root / "junk.pt").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_model(root / "junk.pt")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda w: w.fill_(float("nan")), "holds NaN or inf"),
+    (lambda w: w.to(torch.complex64), r"is torch.complex64; vlseq-train saves torch.float32"),
+    (lambda w: w.half(), r"is torch.float16; vlseq-train saves torch.float32"),
+])
+def test_load_model_refuses_weights_vlseq_train_never_writes(trained, tmp_path, change, match):
+    # load_state_dict cast them silently (a complex weight lost its imaginary part; NaN predicted NaN)
+    root, _, _ = trained
+    ck = torch.load(root / "reg" / "last.pt", weights_only=True)
+    name = next(iter(ck["model"]))
+    ck["model"][name] = change(ck["model"][name].clone())
+    torch.save(ck, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=f"saved weight {re.escape(name)} " + match):
+        load_model(tmp_path / "bad.pt")
 
 
 def test_entry_points(trained, tmp_path):

@@ -244,6 +244,13 @@ def _check_consistent(ckpt: Dict[str, Any], found: Path) -> None:
         if tuple(w.shape) != tuple(t.shape):
             raise CheckpointError(f"{found}: inconsistent: the saved configuration ({_describe(cfg, data)}) gives "
                                   f"{name} the shape {tuple(t.shape)}, the saved weights have {tuple(w.shape)}")
+        # load_state_dict would cast any dtype silently (a complex weight loses its imaginary part)
+        if w.dtype != t.dtype:
+            raise CheckpointError(f"{found}: inconsistent: the saved weight {name} is {w.dtype}; vlseq-train saves "
+                                  f"{t.dtype}")
+        if not bool(torch.isfinite(w).all()):  # vlseq-train skips non-finite steps: its weights never are
+            raise CheckpointError(f"{found}: the saved weight {name} holds NaN or inf; the checkpoint is damaged or "
+                                  "was not written by vlseq-train")
     extra = sorted(set(weights) - set(expected))
     if extra:
         raise CheckpointError(f"{found}: inconsistent: the saved weights have {extra[0]}, which the saved "
