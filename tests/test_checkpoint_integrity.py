@@ -17,12 +17,7 @@ from vlseq_ext.cli import predict
 TRAIN = ["--devices", "cpu", "--hidden", "8", "--quiet", "--val-fraction", "0", "--max-steps", "2"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

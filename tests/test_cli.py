@@ -33,13 +33,7 @@ needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip
 needs_mpl = pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed (pip install 'vlseq_ext[plot]')")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train fastest single-threaded; two intra-op threads on a 2-core CI box mostly spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(capsys, *argv):

@@ -24,14 +24,9 @@ needs_aeon = pytest.mark.skipif(importlib.util.find_spec("aeon") is None,
                                 reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
 
 
-@pytest.fixture(autouse=True)
-def one_thread(no_tf32):
-    """One CPU thread; full fp32 on GPUs (no_tf32: cuDNN's default TF32 would differ from the CPU
-    reference by ~1e-4), so predictions on any device compare with the CPU forward at fp32 tolerances."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One CPU thread; full fp32 on GPUs (no_tf32: cuDNN's default TF32 would differ from the CPU reference
+# by ~1e-4), so predictions on any device compare with the CPU forward at fp32 tolerances.
+pytestmark = pytest.mark.usefixtures("one_thread", "no_tf32")
 
 
 def sequences(n, d, seed):
