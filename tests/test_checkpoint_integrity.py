@@ -155,3 +155,31 @@ def test_truncated_checkpoint_keeps_its_message(trained, tmp_path):
     path.write_bytes(raw[:len(raw) // 2])
     with pytest.raises(CheckpointError, match=f"{path}: truncated or corrupt \\({len(raw) // 2} bytes\\): "):
         read_checkpoint(path)
+
+
+def _central_entry(raw: bytes, member: str) -> int:
+    """Offset of `member`'s entry in the zip's central directory."""
+    name = member.encode()
+    pos = raw.find(b"PK\x01\x02")
+    while pos >= 0:
+        n = struct.unpack("<H", raw[pos + 28:pos + 30])[0]
+        if raw[pos + 46:pos + 46 + n] == name:
+            return pos
+        pos = raw.find(b"PK\x01\x02", pos + 4)
+    raise AssertionError(member)
+
+
+@pytest.mark.parametrize("damage,match", [
+    # the MS-DOS "directory" bit of a tensor's attributes: zipfile's CRCs pass, torch's reader returned garbage
+    (lambda raw, at: raw.__setitem__(at + 38, raw[at + 38] ^ 0x10), "is marked as a directory"),
+    # "version needed to extract": zipfile raised NotImplementedError (a traceback)
+    (lambda raw, at: raw.__setitem__(at + 6, raw[at + 6] ^ 0xFF), "truncated or corrupt"),
+])
+def test_a_damaged_zip_directory_entry_is_refused(trained, tmp_path, damage, match):
+    src = trained / "run" / "last.pt"
+    member = max((i for i in zipfile.ZipFile(src).infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(src.read_bytes())
+    damage(raw, _central_entry(bytes(raw), member.filename))
+    (tmp_path / "bad.pt").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(tmp_path / "bad.pt")

@@ -407,7 +407,7 @@ def test_a_resume_never_replaces_another_run_or_a_later_point(tmp_path, capsys):
     before = snapshot(b)
     # another run's folder
     rc, _, err = run(capsys, "--resume", a, "--max-steps", 4, "--checkpoint-dir", b)
-    one_line_error(rc, err, f"--checkpoint-dir {b} already holds a run", "another --checkpoint-dir")
+    one_line_error(rc, err, f"--checkpoint-dir {b} already holds files of another run", "a new --checkpoint-dir")
     assert snapshot(b) == before
     # another run's checkpoint copied into a folder whose last.pt it would replace
     (b / "a.pt").write_bytes((a / "last.pt").read_bytes())
@@ -463,9 +463,9 @@ def test_a_resume_refuses_to_rewrite_a_file_that_is_not_its_metrics(tmp_path, ca
     a = tmp_path / "A"
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", a)
     assert rc == 0, err
-    notes = tmp_path / "notes.txt"
+    notes = a / "metrics.jsonl"  # the run's own metrics file, replaced by something else since
     notes.write_bytes(content)
-    rc, _, err = run(capsys, "--resume", a, "--max-steps", 3, "--metrics", notes)
+    rc, _, err = run(capsys, "--resume", a, "--max-steps", 3)
     one_line_error(rc, err, f"--metrics {notes} is not a vlseq-train metrics file", "choose another --metrics",
                    during_training=True)
     assert notes.read_bytes() == content
@@ -508,6 +508,73 @@ def test_a_checkpoint_path_that_is_a_folder_is_refused_before_training(tmp_path,
     (tmp_path / "LD" / "last.pt").mkdir(parents=True)
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "LD")
     one_line_error(rc, err, "last.pt: is a directory, not a file")
+
+
+def test_an_overwrite_with_bad_input_keeps_the_old_checkpoint(tmp_path, capsys):
+    a = tmp_path / "A"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", a)
+    assert rc == 0, err
+    before = (a / "last.pt").read_bytes()
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", a, "--overwrite",
+                     "--data", tmp_path / "nonexist.npz")
+    one_line_error(rc, err, "no such file")
+    assert (a / "last.pt").read_bytes() == before
+
+
+def test_forks_are_runs_of_their_own(tmp_path, capsys):
+    a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", a)
+    assert rc == 0, err
+    for d, n in ((b, 4), (c, 3)):
+        rc, _, err = run(capsys, "--resume", a, "--checkpoint-dir", d, "--max-steps", n)
+        assert rc == 0, err
+    ids = {d: checkpoint.load_checkpoint(d)["config"]["run_id"] for d in (a, b, c)}
+    assert len(set(ids.values())) == 3 and checkpoint.load_checkpoint(c)["config"]["forked_from"] == ids[a]
+    before = snapshot(c)
+    (c / "fromB.pt").write_bytes((b / "last.pt").read_bytes())
+    rc, _, err = run(capsys, "--resume", c / "fromB.pt", "--max-steps", 6)
+    one_line_error(rc, err, f"{c / 'last.pt'} holds another run")
+    (c / "fromB.pt").unlink()
+    assert snapshot(c) == before
+
+
+def test_a_resume_never_wipes_another_runs_metrics(tmp_path, capsys):
+    a, b = tmp_path / "A", tmp_path / "B"
+    for d in (a, b):
+        rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", d)
+        assert rc == 0, err
+    before = (b / "metrics.jsonl").read_bytes()
+    rc, _, err = run(capsys, "--resume", a, "--max-steps", 4, "--metrics", b / "metrics.jsonl")
+    one_line_error(rc, err, f"--metrics {b / 'metrics.jsonl'} already exists and is not this run's metrics file")
+    assert (b / "metrics.jsonl").read_bytes() == before
+
+
+def test_explicit_outputs_are_found_again_from_another_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", "E", "--metrics", "e.jsonl")
+    assert rc == 0, err
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, _, err = run(capsys, "--resume", "../E", "--max-steps", 3)
+    assert rc == 0, err
+    assert sorted(steps(tmp_path / "e.jsonl")) == [1, 2, 3] and not (tmp_path / "elsewhere" / "e.jsonl").exists()
+
+
+def test_a_symbolic_link_loop_as_an_output_is_one_line(tmp_path, capsys):
+    (tmp_path / "a.jsonl").symlink_to(tmp_path / "b.jsonl")
+    (tmp_path / "b.jsonl").symlink_to(tmp_path / "a.jsonl")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "r",
+                     "--metrics", tmp_path / "a.jsonl")
+    one_line_error(rc, err, "is a symbolic link loop")
+
+
+def test_warnings_are_one_line(tmp_path, capsys):
+    np.savez(tmp_path / "big.npz", values=np.full((32, 3), 2**24 + 1, np.int64), offsets=np.arange(0, 33, 4),
+             targets=np.zeros((8, 1), np.float32))  # int64 on disk: the loader's cast rounds them
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--data", tmp_path / "big.npz", "--checkpoint-dir", tmp_path / "r")
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if "float32" in ln]
+    assert lines and all(ln.startswith("vlseq-train: warning: ") for ln in lines), err
 
 
 def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):

@@ -126,6 +126,19 @@ def test_a_stream_is_written_in_place_never_replaced(tmp_path):
     reader.join(30)
     assert got == [b"streamed"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert files.is_stream("/dev/null") and files.is_stream("/dev/stdout") and not files.is_stream(tmp_path)
+    # by what it is, not where: /dev/shm holds ordinary files, which keep their atomic replace
+    if os.path.isdir("/dev/shm"):
+        shm = f"/dev/shm/vlseq-test-{os.getpid()}"
+        try:
+            with open(shm, "w") as fh:
+                fh.write("old")
+            assert not files.is_stream(shm)
+            with pytest.raises(OSError):
+                files.write_atomically(shm, lambda fh: (fh.write("to"), (_ for _ in ()).throw(OSError(28, "full"))),
+                                       text=True)
+            assert open(shm).read() == "old"
+        finally:
+            os.unlink(shm)
 
 
 @pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")

@@ -147,8 +147,16 @@ def _check_crcs(raw: bytes, found: Path) -> bool:
         zf = zipfile.ZipFile(io.BytesIO(raw))
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return False
+    except Exception as exc:  # NotImplementedError: a damaged "version needed to extract", and the like
+        raise CheckpointError(f"{found}: truncated or corrupt ({len(raw)} bytes): {_first_line(exc)}") from None
     with zf:
         infos = zf.infolist()
+        for info in infos:
+            # torch.save writes no directories; torch's reader returns garbage for a member flagged as one
+            # (the MS-DOS directory bit of its attributes), which zipfile itself ignores
+            if info.is_dir() or info.external_attr & 0x10:
+                raise CheckpointError(f"{found}: the checkpoint is damaged: member {info.filename!r} is marked as a "
+                                      "directory in the zip directory; use an earlier copy")
         # torch.serialization.set_crc32_options(False) writes 0 for every CRC: nothing to check.
         if all(info.CRC == 0 for info in infos if info.file_size):
             return True

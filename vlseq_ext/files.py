@@ -51,15 +51,18 @@ def fsync_dir(folder: Path) -> None:
 
 
 def is_stream(path: PathLike) -> bool:
-    """A device, FIFO or socket (or a name under /dev or /proc, such as /dev/stdout): written in
-    place, never replaced. Renaming a file over /dev/null would turn it into a regular file."""
-    text = str(path)
-    if text.startswith(("/dev/", "/proc/")):
+    """A device, FIFO or socket, or a name for an open descriptor (/dev/stdout, /dev/fd/N,
+    /proc/self/fd/N, which may point at a regular file the shell redirected to): written in place and
+    appended to, never replaced. Renaming a file over /dev/null would turn it into a regular file.
+    Decided by what the path is, not where: /dev/shm holds ordinary files."""
+    text = os.path.abspath(str(path))
+    if text in ("/dev/stdout", "/dev/stderr") or text.startswith(("/dev/fd/", "/proc/self/fd/")):
         return True
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISDIR(os.stat(path).st_mode)
+        mode = os.stat(path).st_mode
     except OSError:
         return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
 def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: bool = False,
@@ -76,7 +79,7 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     path = Path(path)
     if is_stream(path):
         kw = {"newline": "", "encoding": "utf-8"} if text else {}
-        with open(path, "w" if text else "wb", **kw) as fh:
+        with open(path, "a" if text else "ab", **kw) as fh:  # append: stdout redirected to a file keeps the rest
             write(fh)
         return path
     if path.is_symlink():  # write where the link points; replacing the link would leave its target stale

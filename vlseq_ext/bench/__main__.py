@@ -6,9 +6,11 @@ import faulthandler
 import gc
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections import defaultdict
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -144,6 +146,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         # One intra-op thread: the CPU "devices" share the cores anyway (as do the gloo DDP processes,
         # one thread each), and OpenMP regions on a busy machine turn microseconds into milliseconds.
         torch.set_num_threads(1)
+    out_dir = Path(args.out)
+    try:  # now, not after the first measurements
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot write there: {exc.strerror or exc}")
     budget = Budget.make(args.quick, args.repeats, args.sweep_deadline)
     res = Results(collect_meta(devices, argv, args.quick, args.suite))
     say = tqdm.write

@@ -30,12 +30,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import distributed
-from ..checkpoint import CHECKPOINT_NAME
 from ..data import DataError
 from ..distributed import DistributedError
 from .checks import CLIError
 from .config import DEFAULTS, PROG, build_parser, resolve_config
-from .reporting import Reporter, RunState, matplotlib_available, open_metrics, write_plot
+from .reporting import Reporter, RunState, matplotlib_available, one_line_warnings, open_metrics, write_plot
 from .run import Run, RunFolderLock, evaluate_split
 from .training import cpu_threads, deterministic_mode, train
 
@@ -56,13 +55,7 @@ class _PeerFailed(Exception):
 def _resolve_and_lock(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]], RunFolderLock]:
     cfg, ckpt = resolve_config(args)
     lock = RunFolderLock(Path(cfg["checkpoint_dir"]), cfg.pop("claimed_dirs", ()))
-    if getattr(args, "overwrite", False):  # the new run starts now: a crash before its first checkpoint must not leave the old
-        old = Path(cfg["checkpoint_dir"]) / CHECKPOINT_NAME  # run's checkpoint beside the new run's metrics
-        try:
-            old.unlink(missing_ok=True)
-        except OSError as exc:
-            lock.release()
-            raise CLIError(f"--overwrite: cannot remove the old checkpoint {old}: {exc.strerror or exc}") from None
+    cfg["replaces_old_run"] = bool(getattr(args, "overwrite", False))  # (not saved) see training.train
     return cfg, ckpt, lock
 
 
@@ -104,9 +97,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     lock: Optional[RunFolderLock] = None
     try:
         started = distributed.start_from_env()
-        cfg, ckpt, lock = resolve_everywhere(args)
-        with deterministic_mode(bool(cfg["deterministic"])), cpu_threads():
-            return train(cfg, ckpt)
+        with one_line_warnings(PROG):
+            cfg, ckpt, lock = resolve_everywhere(args)
+            with deterministic_mode(bool(cfg["deterministic"])), cpu_threads():
+                return train(cfg, ckpt)
     except (DataError, CLIError) as exc:
         rank = distributed.rank_and_world()[0]
         print(f"{PROG}: {f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr)

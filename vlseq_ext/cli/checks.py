@@ -147,6 +147,10 @@ def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -
         if ext not in known:
             raise CLIError(f"{flag} {path}: unknown extension .{ext} (use one of: "
                            f"{', '.join('.' + f for f in known)})")
+    try:
+        path.resolve()
+    except (OSError, RuntimeError):
+        raise CLIError(f"{flag} {path}: is a symbolic link loop") from None
     if path.is_dir():
         raise CLIError(f"{flag} {path}: is a directory, not a file")
     if path.exists():
@@ -160,7 +164,7 @@ def same_file(a: Path, b: Path) -> bool:
     """a and b name one file: the same path once links are followed, or one inode (a hard link)."""
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
-    except OSError:
+    except (OSError, RuntimeError):  # (a symbolic link loop: RuntimeError before Python 3.13)
         return False
 
 
@@ -200,7 +204,7 @@ def check_output_paths(cfg: Dict[str, Any], resumed: Optional[Path] = None) -> N
         check_outputs_distinct(outputs, [("--resume", resumed)])
 
 
-def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:
+def check_not_a_previous_run(cfg: Dict[str, Any], fork: bool = False) -> None:
     """A new run (or a fork of one into a new folder) must not replace an old run's checkpoint,
     metrics or plot (use --resume or --overwrite)."""
     run_dir = Path(cfg["checkpoint_dir"])
@@ -210,6 +214,9 @@ def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:
     if not found:
         return
     names = ", ".join(str(p) for p, _ in found)
+    if fork:  # (--overwrite cannot go with --resume)
+        raise CLIError(f"--checkpoint-dir {run_dir} already holds files of another run ({names}): fork into a new "
+                       "--checkpoint-dir")
     if ckpt.is_file():
         raise CLIError(f"--checkpoint-dir {run_dir} already holds a run ({names}): continue it with --resume "
                        f"{run_dir}, choose another --checkpoint-dir, or pass --overwrite to replace it")
@@ -219,6 +226,13 @@ def check_not_a_previous_run(cfg: Dict[str, Any]) -> None:
         raise CLIError(f"{flag} {path} already exists: choose another {flag} file, or pass --overwrite to replace it")
     raise CLIError(f"--checkpoint-dir {run_dir} holds the outputs of a run that saved no checkpoint ({names}), "
                    "so there is nothing to resume: choose another --checkpoint-dir, or pass --overwrite to replace them")
+
+
+def check_new_output(path: Path, flag: str) -> None:
+    """An output given now to a resumed run, other than the run's own: a file there is another's."""
+    if path.is_file() and path.stat().st_size > 0:
+        raise CLIError(f"{flag} {path} already exists and is not this run's {flag[2:]} file: choose another {flag} "
+                       "file (a resume continues its own files)")
 
 
 def check_resume_target(cfg: Dict[str, Any], resumed: Path, ckpt: Dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ DEFAULTS: Dict[str, Any] = dict(
 # What a resumed run must keep: these define the model and the data order.
 FIXED_ON_RESUME = ("model", "hidden", "layers", "task", "seed", "val_fraction", "synthetic_samples")
 # Options that belong to this invocation only, never to the saved configuration.
-NOT_SAVED = ("resume", "overwrite", "claimed_dirs")
+NOT_SAVED = ("resume", "overwrite", "claimed_dirs", "replaces_old_run")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,11 +154,19 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
         fork = "checkpoint_dir" in given and not checks.same_file(Path(given["checkpoint_dir"]), resumed_dir)
         if "checkpoint_dir" not in given:
             cfg["checkpoint_dir"] = str(resumed_dir)
+        if fork:  # a run of its own from here on: its checkpoints must not pass for the original's
+            cfg["run_id"], cfg["forked_from"] = uuid.uuid4().hex, saved.get("run_id")
         for k in ("metrics", "plot"):  # follow the checkpoint directory unless a path was given now
             if k not in given and (saved.get(f"{k}_default") or fork):  # a fork leaves the original's files alone
                 cfg[k] = None
+            elif k in given and not fork and saved.get(k) and not checks.same_file(Path(given[k]), Path(saved[k])):
+                # another file than the run's own: it starts afresh, so it must not be another run's
+                checks.check_new_output(Path(given[k]), f"--{k}")
     else:
         cfg = {**DEFAULTS, **given, "run_id": uuid.uuid4().hex}  # tells this run's checkpoints from others'
+        for k in ("metrics", "plot"):  # absolute: a resume from another folder must find the same files
+            if cfg[k] is not None:
+                cfg[k] = str(Path(cfg[k]).absolute())
         fork = False
     if ("max_steps" in given) != ("epochs" in given):  # one limit given alone replaces both
         cfg["epochs" if "max_steps" in given else "max_steps"] = None
@@ -179,7 +187,7 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
             raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
         checks.check_output_paths(cfg, find_checkpoint(args.resume) if ckpt is not None else None)
         if (ckpt is None and not overwrite) or fork:
-            checks.check_not_a_previous_run(cfg)
+            checks.check_not_a_previous_run(cfg, fork)
         if ckpt is not None:
             checks.check_resume_target(cfg, find_checkpoint(args.resume), ckpt)
     except BaseException:

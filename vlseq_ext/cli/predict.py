@@ -26,6 +26,7 @@ from ..devices import parse_devices
 from ..files import write_atomically
 from .._version import __version__
 from .checks import CLIError, check_file, check_outputs_distinct
+from .reporting import one_line_warnings
 
 PROG = "vlseq-predict"
 OUT_FORMATS = ("npy", "csv")
@@ -245,7 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `vlseq-predict` and `python -m vlseq_ext predict`; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return predict(args)
+        with one_line_warnings(PROG):
+            return predict(args)
     except (CLIError, DataError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -2,14 +2,16 @@
 run's counters and history (saved in every checkpoint), the loss plot, and the final summary."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +19,18 @@ from torch import Tensor
 
 from ..files import is_stream, write_atomically
 from .checks import CLIError
+
+
+@contextlib.contextmanager
+def one_line_warnings(prog: str) -> Iterator[None]:
+    """Warnings (data that rounds, a slow plan) as one line each, "<prog>: warning: ...", instead of
+    Python's file:line form with a source line under it."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 class MetricsFile:
@@ -48,11 +62,11 @@ def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
     dropped first (atomically), so the file reads as one uninterrupted run; otherwise it starts empty.
     A stream (/dev/null, a FIFO) is only appended to. A file that is not a metrics file is refused
     (CLIError) rather than rewritten: a resume with --metrics notes.txt would have kept only JSON."""
+    if is_stream(path):  # append: a second offset on stdout's file would write over what else is printed there
+        return open(path, "a", encoding="utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.exists():
         return open(path, "w", encoding="utf-8")
-    if is_stream(path):
-        return open(path, "a", encoding="utf-8")
     not_metrics = f"--metrics {path} is not a vlseq-train metrics file"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..loop import Callback, TrainingLoop
 from .config import PROG
+from .checks import CLIError
 from .reporting import Reporter, format_summary, matplotlib_available, num, open_metrics_file, plural, \
     summary_rows, write_plot, MetricsFile, describe_model
 from .run import Run
@@ -154,6 +155,13 @@ def _plot(run: Run) -> str:
 def train(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> int:
     """Run (or continue) one training run; returns the exit code."""
     run = Run(cfg, ckpt)
+    if cfg.get("replaces_old_run") and run.main:
+        # --overwrite: the data, devices and model checked out, the new run starts now. A crash before its
+        # first checkpoint must not leave the old run's checkpoint beside the new run's metrics.
+        try:
+            run.ckpt_path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise CLIError(f"--overwrite: cannot remove the old checkpoint {run.ckpt_path}: {exc.strerror or exc}") from None
     try:
         return _train(run, cfg, ckpt)
     except KeyboardInterrupt:  # a second Ctrl-C, or one after training: say what is on disk
