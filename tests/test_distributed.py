@@ -232,7 +232,35 @@ def scenario_lonely(out: Path) -> None:
     print("no error", flush=True)
 
 
-SCENARIOS = {"merge": scenario_merge, "early_exit": scenario_early_exit, "lonely": scenario_lonely}
+def scenario_other_data(out: Path) -> None:
+    """Each rank reads its own copy of train.npz (as on several machines); rank 1's has other values
+    (same sizes). With VLSEQ_TEST_PART=cli vlseq-train trains on it, else fit() gets data of another
+    length on rank 1."""
+    from vlseq_ext import ParallelTrainer, SeqModel, cli, data
+
+    rank = int(os.environ["RANK"])
+    own = out / f"rank{rank}"
+    own.mkdir()
+    os.chdir(own)
+    rng = np.random.default_rng(0)
+    seqs = [rng.standard_normal((5, 3)).astype(np.float32) * (1.5 if rank == 1 and i == 7 else 1.0) for i in range(16)]
+    data.save_ragged("train.npz", seqs, np.zeros((16, 1), np.float32))
+    if os.environ.get("VLSEQ_TEST_PART") == "cli":
+        rc = cli.main(["--devices", "cpu", "--data", "train.npz", "--hidden", "8", "--quiet", "--max-steps", "2",
+                       "--checkpoint-dir", str(out / "run")])
+        print(f"CLI rc {rc}", flush=True)
+        return
+    model = SeqModel(3, 8, 1)
+    tr = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=["cpu"])
+    samples = [(torch.from_numpy(x), torch.zeros(1)) for x in seqs[:7 + 2 * rank]]
+    try:
+        tr.fit(samples)
+    except ValueError as exc:
+        print(f"FIT: {exc}", flush=True)
+
+
+SCENARIOS = {"merge": scenario_merge, "early_exit": scenario_early_exit, "lonely": scenario_lonely,
+             "other_data": scenario_other_data}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,6 +291,19 @@ def test_a_rank_that_leaves_early_makes_the_others_fail_clearly(tmp_path):
     assert rc0 == 3, (out0, err0[-2000:])
     assert "CAUGHT at step 3" in out0 and "rank 0 of 2 (gloo)" in out0
     assert "Another process has probably stopped" in out0 and "VLSEQ_DIST_TIMEOUT" in out0
+
+
+def test_ranks_with_other_data_are_refused_before_training(tmp_path):
+    # Each rank reads its own files: a copy of other values (or another length) trained on a silent mix.
+    res = launch("other_data", tmp_path, VLSEQ_DIST_TIMEOUT=20, VLSEQ_TEST_PART="cli")
+    for rc, out, err in res:
+        assert rc == 0 and "CLI rc 2" in out, (out, err[-3000:])
+    assert "differ in their training data (same size, other values" in res[0][2], res[0][2][-3000:]
+    assert not (tmp_path / "run" / "last.pt").exists()
+    (tmp_path / "fit").mkdir()
+    for rc, out, err in launch("other_data", tmp_path / "fit", VLSEQ_DIST_TIMEOUT=20):
+        assert rc == 0, err[-3000:]
+        assert "FIT: the 2 processes differ in their training samples" in out and "from 7 to 9" in out, out
 
 
 def test_a_failed_rendezvous_is_a_clear_error_within_the_timeout(tmp_path):

@@ -283,6 +283,17 @@ class CrossProcessMerge:
                              f"with {dict(zip(names, mine))}): every rank must build the same model with the same "
                              "number of devices and samples_per_device")
 
+    def check_same(self, what: str, value: int, show: bool = True) -> None:
+        """`value` (an int64: a count, or part of a hash, then show=False) must be equal on every rank:
+        each rank reads its own files, and ranks with other data would train on a silent mix of both."""
+        t = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self._collective(lambda: self._dist_all_reduce(t, op="max"), f"check of the {what}")
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != lo:
+            values = f" (this is rank {self.rank} with {value}; the ranks range from {lo} to {hi})" if show else ""
+            raise ValueError(f"the {self.world_size} processes differ in their {what}{values}: every rank must read "
+                             "the same data")
+
     # -- collectives -------------------------------------------------------------------------------
     def _dist_all_reduce(self, t: Tensor, op: str = "sum") -> None:
         dist = _dist()

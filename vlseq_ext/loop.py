@@ -343,6 +343,7 @@ def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = Non
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     step_size = trainer.samples_per_step * trainer.world_size  # [distributed] a global step
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        trainer.check_same_on_every_rank("training samples", len(data))  # else steps would pair other samples
         sampler: Any = OrderedBatches(len(data), step_size, shuffle=shuffle, seed=seed)
         get_item: Callable[[Any], Any] = data.__getitem__
     else:

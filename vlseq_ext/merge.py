@@ -42,6 +42,9 @@ class LocalMerge:
     def barrier(self) -> None:
         pass
 
+    def check_same(self, what: str, value: int, show: bool = True) -> None:  # one process: nothing to compare
+        pass
+
 
 class CrossProcessMerge(LocalMerge):
     """Several processes: the local merge (sum only), then one all-reduce of the master's flat
@@ -68,6 +71,9 @@ class CrossProcessMerge(LocalMerge):
 
     def barrier(self) -> None:
         self.collective.barrier()
+
+    def check_same(self, what: str, value: int, show: bool = True) -> None:
+        self.collective.check_same(what, value, show)
 
 
 def make_merge(replicas: ReplicaSet, process_group: Any, samples_per_step: int) -> LocalMerge:

@@ -147,6 +147,11 @@ class ParallelTrainer:
     def barrier(self) -> None:
         self.merger.barrier()
 
+    def check_same_on_every_rank(self, what: str, value: int, show: bool = True) -> None:
+        """[distributed] ValueError unless `value` (an int) is equal on every rank (the message shows
+        the values unless show=False: a hash); no-op in one process."""
+        self.merger.check_same(what, int(value), show)
+
     def graph_stats(self) -> List[Dict[str, int]]:
         return [c.stats() for d in range(len(self.devices)) for c in self.runner.caches(d)]
 

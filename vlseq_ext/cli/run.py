@@ -138,6 +138,12 @@ class Run:
         except ValueError as exc:
             raise CLIError(f"cannot train on --devices {cfg['devices']}: {exc}") from None
         tr = self.trainer
+        try:  # [distributed] every rank read its own copy of the data: the same copy?
+            tr.check_same_on_every_rank("training samples", len(data))
+            tr.check_same_on_every_rank("training data (same size, other values, lengths or targets)",
+                                        int(self.meta["fingerprint"][:15], 16), show=False)
+        except ValueError as exc:
+            raise DataError(f"{data.name}: {exc}") from None
         # Global steps (world_size x devices x k samples), the same on every rank; each trains its share.
         self.samples_per_step = tr.samples_per_device * len(tr.devices) * tr.world_size
         self.sampler = DistributedLengthSampler(data.lengths, tr.samples_per_device, len(tr.devices), tr.rank,
