@@ -577,6 +577,14 @@ def test_warnings_are_one_line(tmp_path, capsys):
     assert lines and all(ln.startswith("vlseq-train: warning: ") for ln in lines), err
 
 
+def test_dot_dot_in_output_paths_makes_no_stray_folders(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", "R/sub/..", "--metrics", "other/../m.jsonl")
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["R", "m.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "R").iterdir()) == ["last.pt", "loss.png"] or not HAS_MPL
+
+
 def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):
     fig = tmp_path / "fig.png"
     fig.write_bytes(b"the user's figure")

@@ -3,6 +3,7 @@ checkpoint's configuration and the options given now), checked before anything i
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 from pathlib import Path
@@ -166,7 +167,7 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
         cfg = {**DEFAULTS, **given, "run_id": uuid.uuid4().hex}  # tells this run's checkpoints from others'
         for k in ("metrics", "plot"):  # absolute: a resume from another folder must find the same files
             if cfg[k] is not None:
-                cfg[k] = str(Path(cfg[k]).absolute())
+                cfg[k] = os.path.abspath(cfg[k])  # (also "other/../m.jsonl" -> m.jsonl: no empty other/ made)
         fork = False
     if ("max_steps" in given) != ("epochs" in given):  # one limit given alone replaces both
         cfg["epochs" if "max_steps" in given else "max_steps"] = None
@@ -174,6 +175,8 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
         cfg["amp"] = None
     checks.check_numbers(cfg)
     checks.check_sizes(cfg, ckpt)
+    if cfg["checkpoint_dir"]:
+        cfg["checkpoint_dir"] = os.path.normpath(cfg["checkpoint_dir"])
     claimed = [] if cfg["checkpoint_dir"] else _claim_run_folder()
     if claimed:
         cfg["checkpoint_dir"] = str(claimed[0])
