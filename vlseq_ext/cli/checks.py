@@ -108,6 +108,16 @@ def missing_dirs(path: Path) -> List[Path]:
     return missing
 
 
+def remove_empty_dirs(dirs: Sequence[Path]) -> None:
+    """Remove these folders (deepest first, as missing_dirs lists them) while they are empty: undo
+    what a check or a run created and left nothing in."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 def check_dir(path: Path, flag: str) -> None:
     """`path` is (or can be created as) a directory where files can be written. Creates nothing that
     stays: a missing directory is created and removed again."""
@@ -129,11 +139,7 @@ def check_dir(path: Path, flag: str) -> None:
         path.mkdir(parents=True)
     except OSError as exc:
         raise CLIError(f"{flag} {path}: cannot be created in {p}: {exc.strerror or exc}") from None
-    for d in missing:  # deepest first: leave the file system as it was
-        try:
-            d.rmdir()
-        except OSError:
-            pass
+    remove_empty_dirs(missing)  # leave the file system as it was
 
 
 def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -> None:

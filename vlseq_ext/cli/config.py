@@ -151,7 +151,8 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
         if "data" not in given and cfg["data"] not in BUILTIN and not Path(cfg["data"]).exists():
             raise CLIError(f"--resume: the run's data {cfg['data']} (saved in the checkpoint, relative to the folder "
                            f"the run started in) is not there from {Path.cwd()}: run from that folder, or pass --data")
-        resumed_dir = find_checkpoint(args.resume).parent
+        resumed = find_checkpoint(args.resume)  # (read_checkpoint found it)
+        resumed_dir = resumed.parent
         fork = "checkpoint_dir" in given and not checks.same_file(Path(given["checkpoint_dir"]), resumed_dir)
         if "checkpoint_dir" not in given:
             cfg["checkpoint_dir"] = str(resumed_dir)
@@ -168,7 +169,7 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
         for k in ("metrics", "plot"):  # absolute: a resume from another folder must find the same files
             if cfg[k] is not None:
                 cfg[k] = os.path.abspath(cfg[k])  # (also "other/../m.jsonl" -> m.jsonl: no empty other/ made)
-        fork = False
+        fork, resumed = False, None
     if ("max_steps" in given) != ("epochs" in given):  # one limit given alone replaces both
         cfg["epochs" if "max_steps" in given else "max_steps"] = None
     if cfg["amp"] == "none":
@@ -188,17 +189,13 @@ def resolve_config(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[D
                 cfg[k] = str(Path(cfg["checkpoint_dir"]) / name)
         if not cfg["plot_default"] and not matplotlib_available():
             raise CLIError(f"--plot {cfg['plot']}: matplotlib is not installed (pip install 'vlseq_ext[plot]')")
-        checks.check_output_paths(cfg, find_checkpoint(args.resume) if ckpt is not None else None)
+        checks.check_output_paths(cfg, resumed)
         if (ckpt is None and not overwrite) or fork:
             checks.check_not_a_previous_run(cfg, fork)
         if ckpt is not None:
-            checks.check_resume_target(cfg, find_checkpoint(args.resume), ckpt)
+            checks.check_resume_target(cfg, resumed, ckpt)
     except BaseException:
-        for d in claimed:
-            try:
-                d.rmdir()  # still empty: nothing was written
-            except OSError:
-                break
+        checks.remove_empty_dirs(claimed)  # nothing was written in them
         raise
     return cfg, ckpt
 

@@ -23,7 +23,7 @@ from ..samplers import DistributedLengthSampler
 from ..devices import parse_devices
 from ..loop import TrainingLoop
 from ..trainer import ParallelTrainer
-from .checks import CLIError, check_model_size, missing_dirs
+from .checks import CLIError, check_model_size, missing_dirs, remove_empty_dirs
 from .config import NOT_SAVED, PROG, __version__
 from .reporting import RunState
 
@@ -62,11 +62,7 @@ class RunFolderLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        for d in self.created:  # deepest first
-            try:
-                d.rmdir()  # only if empty
-            except OSError:
-                break
+        remove_empty_dirs(self.created)
 
 
 def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 256) -> Dict[str, float]:
