@@ -180,6 +180,7 @@ class ParallelTrainer:
         rides along. Returns the step's loss (a copy, on the master device)."""
         with torch.profiler.record_function("vlseq::merge"):
             self.merger.merge(n, self.reduction == "mean")
+        self._replicas_zeroed = True  # the merge kernel zeroed every set but the master's
         return self.replicas.master.loss.clone()
 
     def _check(self, samples, targets) -> Tuple[List[Tensor], List[Tensor]]:
@@ -201,9 +202,7 @@ class ParallelTrainer:
         self._micro_step = self._window_samples = 0
         self.replicas.zero(range(len(self.devices)))
         self._guarded_forward_backward(xs, ys)
-        loss = self._merge(len(xs))
-        self._replicas_zeroed = True
-        return loss
+        return self._merge(len(xs))
 
     def _guarded_forward_backward(self, xs: List[Tensor], ys: List[Tensor]) -> None:
         """_forward_backward; if it raises, the devices that finished hold gradients of a step that
@@ -232,7 +231,6 @@ class ParallelTrainer:
             self.replicas.zero([self.master_index] if self._replicas_zeroed else range(len(self.devices)))
             self._guarded_forward_backward(xs, ys)
             loss = self._merge(len(xs))
-            self._replicas_zeroed = True
             self._optimizer_step()
             return loss
         # Accumulation: the window's grads add up on every replica and merge on the last call; each
@@ -247,7 +245,6 @@ class ParallelTrainer:
         self._window_samples += len(xs)
         if self._micro_step == self.accumulation_steps:
             self._merge(self._window_samples)
-            self._replicas_zeroed = True
             self._micro_step = self._window_samples = 0
             self._optimizer_step()
         return loss / max(len(xs), 1) if self.reduction == "mean" else loss
