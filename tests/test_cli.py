@@ -585,6 +585,15 @@ def test_dot_dot_in_output_paths_makes_no_stray_folders(tmp_path, capsys, monkey
     assert sorted(p.name for p in (tmp_path / "R").iterdir()) == ["last.pt", "loss.png"] or not HAS_MPL
 
 
+@needs_mpl
+def test_dev_null_as_the_plot(tmp_path, capsys):
+    # refused before: "no file extension"; a stream is written in place, as png
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "r", "--plot", "/dev/null")
+    assert rc == 0, err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["last.pt", "metrics.jsonl"]
+
+
 def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):
     fig = tmp_path / "fig.png"
     fig.write_bytes(b"the user's figure")

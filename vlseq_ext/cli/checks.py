@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME
+from ..files import is_stream
 
 # The model may not have more parameters than this (8 GiB of float32 weights, and as much again for
 # the gradients and twice for Adam's state, per device).
@@ -145,7 +146,7 @@ def check_dir(path: Path, flag: str) -> None:
 def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -> None:
     """`path` can be written as a file: not a directory, its folder usable, its extension one of
     `formats` (when given). An existing file is fine (the caller decides about overwriting)."""
-    if formats is not None:
+    if formats is not None and not is_stream(path):  # (a stream such as /dev/null needs no extension)
         ext = path.suffix.lower().lstrip(".")
         known = sorted(formats)
         if not ext:

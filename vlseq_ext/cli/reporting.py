@@ -289,7 +289,7 @@ def write_plot(path: Path, history: Dict[str, List[Any]], title: str) -> str:
         axes[1].set_xlabel("step")
         axes[1].set_ylabel("validation accuracy (%)")
         axes[1].grid(alpha=0.3)
-    fmt = path.suffix.lower().lstrip(".")  # checks.plot_formats() admitted it
+    fmt = path.suffix.lower().lstrip(".") or "png"  # checks.plot_formats() admitted it (a stream may have none)
     write_atomically(path, lambda fh: fig.savefig(fh, dpi=110, format=fmt))  # an old plot stays whole on a full disk
     return str(path) + (f" ({left_out} non-finite loss value{'s' if left_out > 1 else ''} not shown)"
                         if left_out else "")
