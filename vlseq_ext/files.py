@@ -77,8 +77,8 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     (is_stream: /dev/null, a FIFO, /dev/stdout) is written in place.
     Raises the OSError of a failed write; `path` is then unchanged and no temporary is left."""
     path = Path(path)
+    kw = {"newline": "", "encoding": "utf-8"} if text else {}
     if is_stream(path):
-        kw = {"newline": "", "encoding": "utf-8"} if text else {}
         with open(path, "a" if text else "ab", **kw) as fh:  # append: stdout redirected to a file keeps the rest
             write(fh)
         return path
@@ -96,7 +96,6 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, mode)
-        kw = {"newline": "", "encoding": "utf-8"} if text else {}
         with os.fdopen(fd, "w" if text else "wb", **kw) as fh:
             fd = -1  # the file object owns it now
             write(fh)

@@ -110,7 +110,7 @@ def _positive_int(v: Any) -> bool:
 
 
 def check_trainer_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm,
-                   lanes) -> None:
+                          lanes) -> None:
     """ParallelTrainer's options, each refused by name when it is out of range."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")

@@ -211,13 +211,18 @@ def check_output_paths(cfg: Dict[str, Any], resumed: Optional[Path] = None) -> N
         check_outputs_distinct(outputs, [("--resume", resumed)])
 
 
+def _holds_something(path: Path) -> bool:
+    """A regular file with content: an output that replacing would lose (an empty one loses nothing)."""
+    return path.is_file() and path.stat().st_size > 0
+
+
 def check_not_a_previous_run(cfg: Dict[str, Any], fork: bool = False) -> None:
     """A new run (or a fork of one into a new folder) must not replace an old run's checkpoint,
     metrics or plot (use --resume or --overwrite)."""
     run_dir = Path(cfg["checkpoint_dir"])
     ckpt = run_dir / CHECKPOINT_NAME
     outputs = [(ckpt, "--checkpoint-dir"), (Path(cfg["metrics"]), "--metrics"), (Path(cfg["plot"]), "--plot")]
-    found = [(p, flag) for p, flag in outputs if p.is_file() and p.stat().st_size > 0]
+    found = [(p, flag) for p, flag in outputs if _holds_something(p)]
     if not found:
         return
     names = ", ".join(str(p) for p, _ in found)
@@ -237,7 +242,7 @@ def check_not_a_previous_run(cfg: Dict[str, Any], fork: bool = False) -> None:
 
 def check_new_output(path: Path, flag: str) -> None:
     """An output given now to a resumed run, other than the run's own: a file there is another's."""
-    if path.is_file() and path.stat().st_size > 0:
+    if _holds_something(path):
         raise CLIError(f"{flag} {path} already exists and is not this run's {flag[2:]} file: choose another {flag} "
                        "file (a resume continues its own files)")
 
