@@ -6,7 +6,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 import warnings
