@@ -6,6 +6,7 @@
 #   bash benchmarks/run_on_gpu.sh bench    # vlseq-bench --suite merge,flatten,diag,train (M1, M2, F1, W1, W2)
 #   bash benchmarks/run_on_gpu.sh sweep    # vlseq-bench --suite sweep (W3; about 6 minutes on 2 GPUs)
 #   bash benchmarks/run_on_gpu.sh dist     # 2 processes x 1 GPU (NCCL) vs 1 process x 2 GPUs
+#   bash benchmarks/run_on_gpu.sh rnn      # the recurrent kernels' GPU tests, then vlseq-bench --suite rnn
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -51,6 +52,15 @@ fi
 if runs sweep; then
   $PY -m vlseq_ext.bench --suite sweep ${SWEEP_ARGS:-} --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1 || rc=1
   tail -60 "$OUT/sweep.log"
+fi
+if runs rnn; then
+  # A kernel that deadlocked would hang the call: `timeout` ends it with what the logs hold so far.
+  timeout ${RNN_TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider -x tests/test_rnn_gpu.py tests/test_rnn_ops.py \
+    tests/test_rnn_modules.py > "$OUT/rnn-tests.log" 2>&1 || rc=1
+  tail -30 "$OUT/rnn-tests.log"
+  timeout ${RNN_BENCH_TIMEOUT:-420} $PY -m vlseq_ext.bench --suite rnn ${RNN_ARGS:-} --out "$OUT/rnn" \
+    > "$OUT/rnn-bench.log" 2>&1 || rc=1
+  tail -40 "$OUT/rnn-bench.log"
 fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1

@@ -39,4 +39,18 @@ TORCH_LIBRARY(vlseq_ext, m) {
   // Which transfer path all_reduce_ would take for these buffers: "p2p", "copy_engine: <why>",
   // "single" (one buffer) or "cpu".
   m.def("p2p_status(Tensor[] buffers) -> str");
+
+  // One LSTM/GRU layer in one direction over a zero-padded batch with per-sample lengths: the
+  // recurrence only (input projection before, weight gradients after). Semantics, shapes and
+  // outputs: csrc/include/vlseq/rnn.h. On CUDA one persistent launch keeps W_hh on chip for all
+  // steps (csrc/cuda/rnn.cu). cell: lstm | gru; weights: fp32 | bf16 (W_hh's precision on chip).
+  m.def("rnn_forward(str cell, Tensor xproj, Tensor w_hh, Tensor? b_hh, Tensor h0, Tensor? c0, Tensor lengths, "
+        "bool reverse, str weights) -> (Tensor y, Tensor h_n, Tensor c_n, Tensor saved, Tensor cs)");
+  m.def("rnn_backward(str cell, Tensor w_hh, Tensor y, Tensor saved, Tensor cs, Tensor h0, Tensor? c0, "
+        "Tensor lengths, Tensor? dy, Tensor? dh_n, Tensor? dc_n, bool reverse, str weights) "
+        "-> (Tensor dgates, Tensor dgates_hn, Tensor dh0, Tensor dc0)");
+  // How the kernels would run a layer of this size on `like`'s device: on CUDA the layout ("cluster
+  // 16 x 2 groups, ..."), or "" when W_hh does not fit on chip (vlseq_ext.nn then falls back to
+  // torch's RNN); "cpu" on the CPU.
+  m.def("rnn_plan(str cell, int hidden_size, int batch, str weights, Tensor like) -> str");
 }

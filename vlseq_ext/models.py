@@ -8,6 +8,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_sequence
 
+from . import nn as vnn
+
 
 class SeqModel(nn.Module):
     """RNN encoder + linear head: `LSTM(36 -> 64) + Linear(64 -> 1)` by default, as in the seed.
@@ -23,22 +25,28 @@ class SeqModel(nn.Module):
     forward_padded(x (B, T, D), lengths (B,)) gives the same result as forward on the list of
     x[i, :lengths[i]], with fixed shapes, so the trainer can replay it as one CUDA graph per
     (B, bucketed T) (vlseq_ext.graphs.PaddedGraphs).
+
+    The recurrent module is vlseq_ext.nn's LSTM/GRU (torch's, plus the persistent kernels):
+    `rnn_kernels` "auto" (default) runs the kernels on CUDA where they beat cuDNN, "vlseq" wherever
+    they can run, "cudnn" never.
     """
 
     def __init__(self, input_dim: int = 36, hidden_dim: int = 64, output_dim: int = 1, num_layers: int = 1,
-                 rnn: str = "lstm", bidirectional: bool = False, dropout: float = 0.0) -> None:
+                 rnn: str = "lstm", bidirectional: bool = False, dropout: float = 0.0,
+                 rnn_kernels: str = "auto") -> None:
         super().__init__()
         if rnn not in ("lstm", "gru"):
             raise ValueError(f"SeqModel: rnn must be 'lstm' or 'gru', got {rnn!r}")
         if min(input_dim, hidden_dim, output_dim, num_layers) < 1:
             raise ValueError("SeqModel: input_dim, hidden_dim, output_dim and num_layers must be >= 1")
-        cls = nn.LSTM if rnn == "lstm" else nn.GRU
+        cls = vnn.LSTM if rnn == "lstm" else vnn.GRU
         self.input_dim = input_dim
         self.output_dim = output_dim
         self.rnn_type = rnn
         self.directions = 2 if bidirectional else 1
         self.add_module(rnn, cls(input_dim, hidden_dim, num_layers=num_layers, batch_first=True,
-                                 bidirectional=bidirectional, dropout=dropout if num_layers > 1 else 0.0))
+                                 bidirectional=bidirectional, dropout=dropout if num_layers > 1 else 0.0,
+                                 kernels=rnn_kernels))
         self.fc = nn.Linear(hidden_dim * self.directions, output_dim)
 
     @property
@@ -68,7 +76,14 @@ class SeqModel(nn.Module):
         Exact because an RNN's output at step t depends on steps <= t only: the forward direction
         runs over the padding too, and each sample's state is read at its own last step. The
         reverse direction cannot start in the padding, so for bidirectional models each sample's
-        steps are reversed within its own length first (a gather), run forward, and put back."""
+        steps are reversed within its own length first (a gather), run forward, and put back.
+        On the persistent kernels each sample simply stops at its length (no padded step runs)."""
+        rnn = self.recurrent
+        if isinstance(rnn, (vnn.LSTM, vnn.GRU)) and rnn.uses_kernels(x, x.shape[0], padded=False):
+            state = rnn(x, lengths=lengths)[1]
+            h_n = state[0] if isinstance(state, tuple) else state
+            last_layer = h_n[-self.directions:]
+            return self.fc(last_layer[0] if self.directions == 1 else torch.cat([last_layer[0], last_layer[1]], -1))
         last = (lengths - 1).view(-1, 1, 1)
         if self.directions == 1:
             out = self.recurrent(x)[0]  # (B, T, H): the last layer's state at every step
@@ -80,7 +95,6 @@ class SeqModel(nn.Module):
             return z.gather(1, rev.expand(-1, -1, z.shape[-1]))
 
         inp = x
-        rnn = self.recurrent
         for layer in range(rnn.num_layers):
             fwd = self._one_direction(inp, layer, "")
             bwd_reversed = self._one_direction(flip(inp), layer, "_reverse")

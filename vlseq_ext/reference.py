@@ -201,3 +201,108 @@ def broadcast_tensors_(srcs: Sequence[Tensor], dst_lists: Sequence[Sequence[Tens
         for s, d in zip(srcs, lst):
             if d.data_ptr() != s.data_ptr():
                 d.copy_(s.reshape(d.shape))
+
+
+# --- recurrent layers (rnn_forward / rnn_backward; semantics in csrc/include/vlseq/rnn.h) ---------
+
+
+def _rnn_check(op: str, cell: str, weights: str, tensors) -> None:
+    """The checks that keep the reference from computing garbage; the kernels' checks are fuller."""
+    if cell not in ("lstm", "gru"):
+        raise RuntimeError(f'{op}: cell must be "lstm" or "gru", got "{cell}"')
+    if weights not in ("fp32", "bf16"):
+        raise RuntimeError(f'{op}: weights must be "fp32" or "bf16", got "{weights}"')
+    for name, t, shape in tensors:
+        if t.dtype != (torch.int64 if name == "lengths" else torch.float32):
+            raise RuntimeError(f"{op}: {name} must be {'int64' if name == 'lengths' else 'float32'}, got {t.dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _rnn_weights(w_hh: Tensor, weights: str) -> Tensor:
+    return w_hh.to(torch.bfloat16).to(w_hh.dtype) if weights == "bf16" else w_hh
+
+
+def _step_rows(s: int, lengths: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
+    """(samples still running at step s, their time index)."""
+    active = (s < lengths).nonzero().flatten()
+    t = lengths[active] - 1 - s if reverse else torch.full_like(active, s)
+    return active, t
+
+
+def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], h0: Tensor, c0: Optional[Tensor],
+                lengths: Tensor, reverse: bool, weights: str):
+    op, lstm = "rnn_forward", cell == "lstm"
+    B, T, GH = xproj.shape
+    H = w_hh.shape[-1]
+    _rnn_check(op, cell, weights, [("xproj", xproj, (B, T, GH)), ("w_hh", w_hh, (GH, H)), ("h0", h0, (B, H)),
+                                   ("lengths", lengths, (B,))] + ([("c0", c0, (B, H))] if lstm else []))
+    W, L = _rnn_weights(w_hh, weights), lengths.clamp(0, T)
+    y, saved = xproj.new_zeros(B, T, H), xproj.new_zeros(B, T, 4 * H)
+    cs = xproj.new_zeros(B, T, H) if lstm else xproj.new_empty(0)
+    h, c = h0.clone(), (c0.clone() if lstm else None)
+    for s in range(T):
+        rows, t = _step_rows(s, L, reverse)
+        if rows.numel() == 0:
+            break
+        x, hp = xproj[rows, t], h[rows]
+        gh = hp @ W.T + (b_hh if b_hh is not None else 0)
+        if lstm:
+            i, f, g, o = (x + gh).chunk(4, dim=1)
+            i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+            c[rows] = f * c[rows] + i * g
+            hn = o * c[rows].tanh()
+            saved[rows, t] = torch.cat([i, f, g, o], 1)
+            cs[rows, t] = c[rows]
+        else:
+            xr, xz, xn = x.chunk(3, dim=1)
+            hr, hz, hn_ = gh.chunk(3, dim=1)
+            r, z = (xr + hr).sigmoid(), (xz + hz).sigmoid()
+            n = (xn + r * hn_).tanh()
+            hn = (1 - z) * n + z * hp
+            saved[rows, t] = torch.cat([r, z, n, hn_], 1)
+        h[rows] = hn
+        y[rows, t] = hn
+    return y, h, (c if lstm else xproj.new_empty(0)), saved, cs
+
+
+def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, h0: Tensor, c0: Optional[Tensor],
+                 lengths: Tensor, dy: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor], reverse: bool,
+                 weights: str):
+    op, lstm = "rnn_backward", cell == "lstm"
+    B, T, H = y.shape
+    G = 4 if lstm else 3
+    _rnn_check(op, cell, weights, [("w_hh", w_hh, (G * H, H)), ("y", y, (B, T, H)), ("saved", saved, (B, T, 4 * H)),
+                                   ("h0", h0, (B, H)), ("lengths", lengths, (B,))]
+               + ([("cs", cs, (B, T, H)), ("c0", c0, (B, H))] if lstm else []))
+    W, L = _rnn_weights(w_hh, weights), lengths.clamp(0, T)
+    dgates = y.new_zeros(B, T, G * H)
+    dgates_hn = y.new_empty(0) if lstm else y.new_zeros(B, T, H)
+    dh = dh_n.clone() if dh_n is not None else y.new_zeros(B, H)
+    dc = (dc_n.clone() if dc_n is not None else y.new_zeros(B, H)) if lstm else None
+    for s in range(T - 1, -1, -1):
+        rows, t = _step_rows(s, L, reverse)
+        if rows.numel() == 0:
+            continue
+        tp = t + 1 if reverse else t - 1  # the step before (s > 0)
+        dht = dh[rows] + (dy[rows, t] if dy is not None else 0)
+        sv = saved[rows, t]
+        if lstm:
+            i, f, g, o = sv.chunk(4, dim=1)
+            cp = c0[rows] if s == 0 else cs[rows, tp]
+            tc = cs[rows, t].tanh()
+            dct = dc[rows] + dht * o * (1 - tc * tc)
+            d = torch.cat([dct * g * i * (1 - i), dct * cp * f * (1 - f), dct * i * (1 - g * g),
+                           dht * tc * o * (1 - o)], 1)
+            dc[rows] = dct * f
+            dgh, direct = d, 0
+        else:
+            r, z, n, ghn = sv.chunk(4, dim=1)
+            hp = h0[rows] if s == 0 else y[rows, tp]
+            dn = dht * (1 - z) * (1 - n * n)
+            d = torch.cat([dn * ghn * r * (1 - r), dht * (hp - n) * z * (1 - z), dn], 1)
+            dgates_hn[rows, t] = dn * r
+            dgh, direct = torch.cat([d[:, :2 * H], dn * r], 1), dht * z
+        dgates[rows, t] = d
+        dh[rows] = dgh @ W + direct
+    return dgates, dgates_hn, dh, (dc if lstm else y.new_empty(0))

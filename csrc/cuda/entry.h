@@ -10,9 +10,11 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "vlseq/algo.h"
 #include "vlseq/limits.h"
+#include "vlseq/rnn.h"
 
 namespace vlseq {
 
@@ -24,5 +26,33 @@ void all_reduce_tensors_run(at::TensorList tensors, int64_t num_devices, double 
 void reduce_tensors_run(at::TensorList tensors, int64_t num_devices, double scale, bool zero_others);
 void broadcast_run(const char* op, at::TensorList srcs, at::TensorList dsts);
 std::string p2p_status_run(at::TensorList buffers);
+
+namespace rnn {
+
+// How one recurrent layer runs on a GPU (rnn.cu chooses it; rnn_kernels.cuh explains the terms).
+struct LayerPlan {
+  bool ok = false;
+  std::string why_not;  // when !ok: why the kernels cannot hold this layer
+  int sync = 0;         // Sync: 0 local, 1 cluster, 2 grid
+  int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
+  int64_t smem_forward = 0, smem_backward = 0;
+  std::string describe() const;
+};
+
+// Never throws: a layer the kernels cannot hold is a plan with ok = false.
+LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_run(
+    const LayerPlan& plan, const Sizes& sizes, const at::Tensor& xproj, const at::Tensor& w_hh,
+    const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+    const at::Tensor& lengths, bool reverse);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
+    const LayerPlan& plan, const Sizes& sizes, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
+    const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
+    const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
+    bool reverse);
+
+}  // namespace rnn
 
 }  // namespace vlseq

@@ -67,6 +67,41 @@ std::string p2p_status_cuda(at::TensorList buffers) {
   return p2p_status_run(buffers);
 }
 
+rnn::LayerPlan checked_plan(const char* op, const rnn::Sizes& z, const at::Device& device) {
+  rnn::LayerPlan plan = rnn::plan_layer(z.cell, z.weights, z.H, z.B, device.index());
+  TORCH_CHECK(plan.ok, op, ": this layer does not fit the kernels: ", plan.why_not,
+              " (vlseq_ext.nn falls back to torch's RNN for such layers)");
+  return plan;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_forward_cuda(
+    c10::string_view cell, const at::Tensor& xproj, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_hh,
+    const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths, bool reverse,
+    c10::string_view weights) {
+  const rnn::Sizes z = rnn::check_forward(std::string(cell), xproj, w_hh, b_hh, h0, c0, lengths, std::string(weights));
+  const rnn::LayerPlan plan = checked_plan("rnn_forward", z, xproj.device());
+  return rnn::forward_run(plan, z, xproj, w_hh, b_hh, h0, c0, lengths, reverse);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cuda(
+    c10::string_view cell, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved, const at::Tensor& cs,
+    const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
+    const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
+    bool reverse, c10::string_view weights) {
+  const rnn::Sizes z = rnn::check_backward(std::string(cell), w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n,
+                                           std::string(weights));
+  const rnn::LayerPlan plan = checked_plan("rnn_backward", z, y.device());
+  return rnn::backward_run(plan, z, w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n, reverse);
+}
+
+std::string rnn_plan_cuda(c10::string_view cell, int64_t hidden_size, int64_t batch, c10::string_view weights,
+                          const at::Tensor& like) {
+  const rnn::Cell c = rnn::parse_cell("rnn_plan", std::string(cell));
+  const rnn::Weights w = rnn::parse_weights("rnn_plan", std::string(weights));
+  TORCH_CHECK(hidden_size >= 1 && batch >= 1, "rnn_plan: hidden_size and batch must be >= 1");
+  return rnn::plan_layer(c, w, hidden_size, batch, like.device().index()).describe();
+}
+
 }  // namespace
 }  // namespace vlseq
 
@@ -79,4 +114,7 @@ TORCH_LIBRARY_IMPL(vlseq_ext, CUDA, m) {
   m.impl("broadcast_", &vlseq::broadcast_cuda);
   m.impl("broadcast_tensors_", &vlseq::broadcast_tensors_cuda);
   m.impl("p2p_status", &vlseq::p2p_status_cuda);
+  m.impl("rnn_forward", &vlseq::rnn_forward_cuda);
+  m.impl("rnn_backward", &vlseq::rnn_backward_cuda);
+  m.impl("rnn_plan", &vlseq::rnn_plan_cuda);
 }

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from ..devices import parse_devices
-from . import diag, flatten, merge, sweep, sweep_report, train
+from . import diag, flatten, merge, rnn, sweep, sweep_report, train
 from .processes import run_ddp
 from .report import collect_meta, write_outputs
 from .results import Results, Skip, Task
@@ -26,7 +26,7 @@ from .timing import Budget
 TASK_STALL_S = 180  # print every thread's stack when one task runs longer than this
 
 
-SUITES = ("merge", "flatten", "diag", "train", "sweep")
+SUITES = ("merge", "flatten", "diag", "train", "sweep", "rnn")
 
 
 def suite_list(spec: str) -> str:
@@ -119,7 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "first device (F1); diag: the measurements behind the design choices (kernel vs host "
                          "time, algorithm crossover, optimizer-step options, trainer phases); train: samples/s of "
                          "the seed and a large model (W1, W2); sweep: samples/s over model sizes, samples per GPU "
-                         "and model forms against DDP and the best one-GPU loop (W3); all (the default): every "
+                         "and model forms against DDP and the best one-GPU loop (W3); rnn: the persistent "
+                         "LSTM/GRU kernels against cuDNN, forward and forward + backward; all (the default): every "
                          "suite")
     ap.add_argument("--devices", default=None,
                     help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
@@ -164,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     selected = SUITES if args.suite == "all" else args.suite.split(",")
     tasks, ddp_jobs = [], []
-    mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep}
+    mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep, "rnn": rnn}
     for suite in SUITES:
         if suite in selected:
             t, j = mods[suite].tasks(devices, budget, res)
@@ -204,6 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     train.add_ratios(res, cuda)
     flatten.add_fractions(res)
     sweep_report.finalize(res)
+    rnn.finalize(res)
     timings["total"] = time.perf_counter() - t_start
     md = write_outputs(res, args.out, log=say)
     print(md)

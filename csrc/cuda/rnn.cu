@@ -1,0 +1,311 @@
+// Host side of the persistent recurrent kernels (rnn_kernels.cuh): the layout of a layer on the
+// GPU (plan_layer), the launches, and the outputs.
+//
+// Layout choice: W_hh (G*H x H) is split over nc blocks by hidden unit. Thread-block clusters of
+// nc <= 16 hold it when it fits (fp32: H up to about 440 for an LSTM), and then each cluster
+// runs bs samples with no coordination with other clusters: many samples, or many one-sample
+// calls on other streams, run side by side. Bigger layers spread over up to one block per SM and
+// synchronise through global memory (kGrid, launched cooperatively). The choice minimises a cost
+// model of one step (shared-memory traffic of W, FMAs, exchange and barrier, in clocks) times the
+// number of waves of groups that do not fit on the GPU at once; BENCHMARKS.md has what it picks and
+// what that measures.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "entry.h"
+#include "rnn_kernels.cuh"
+
+namespace vlseq::rnn {
+namespace {
+
+// Product tile width for a batch of nb samples: the smallest of 1, 2, 4, 8 that covers it (wider
+// batches take several tiles).
+int batch_tile(int nb) { return nb <= 1 ? 1 : nb <= 2 ? 2 : nb <= 4 ? 4 : 8; }
+
+std::mutex g_mutex;  // guards the caches below (several threads issue work for several GPUs)
+
+// Lets `kernel` use all the shared memory a block can have and clusters of 16, once per device.
+void prepare(const void* kernel, int device, int smem_optin) {
+  static std::set<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!done.insert({kernel, device}).second) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+}
+
+// How many groups of nc blocks (each with `smem` bytes) can be resident at once; 0 if none.
+int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const cudaDeviceProp& p) {
+  if (sync == Sync::kCluster) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(nc);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = nc, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // an unsupported size is an answer, not an error
+      return 0;
+    }
+    return clusters;
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return per_sm * p.multiProcessorCount / nc;
+}
+
+// Clocks of one forward step (the backward step moves the same bytes): shared-memory reads of W
+// at 128 B/clock, FMAs at 128/clock, the exchange and the barrier. Constants from the H200 runs.
+double step_clocks(Sync sync, int G, int hs, int H, int bs, int nc, int groups, int wbytes) {
+  const double R = G * hs, K = round_up(H, 4);
+  const double products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
+  double exchange = 100.0;
+  if (sync == Sync::kCluster) exchange = 600.0 + 20.0 * nc + bs * H / 32.0;
+  if (sync == Sync::kGrid) {
+    // every block reads every sample's h and writes/reads partials: total L2 bytes over ~2.9 KB/clock
+    const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
+    exchange = 2500.0 + bytes / 2900.0;
+  }
+  return products + exchange;
+}
+
+struct Cost {
+  double clocks = 0;
+  LayerPlan plan;
+};
+
+// The plan for nc blocks per group (cluster or local) with the fewest estimated clocks, if any.
+bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDeviceProp& p, int device, Cost& best) {
+  const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
+  const int hs = ceil_div(H, nc);
+  if (ceil_div(H, hs) != nc) return false;  // a block would hold no unit
+  const Sync sync = nc == 1 ? Sync::kLocal : Sync::kCluster;
+  bool found = false;
+  for (int groups_wanted = std::min(B, 1024); groups_wanted >= 1; groups_wanted = groups_wanted * 3 / 4) {
+    const int bs = ceil_div(B, groups_wanted), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
+    const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
+    if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
+    const void* fk = forward_kernel(cell, w, bt);
+    const void* bk = backward_kernel(cell, w, bt);
+    prepare(fk, device, p.sharedMemPerBlockOptin);
+    prepare(bk, device, p.sharedMemPerBlockOptin);
+    const int resident = std::min(resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p));
+    if (resident > 0) {
+      const double clocks =
+          ceil_div(groups, resident) * step_clocks(sync, G, hs, H, bs, nc, std::min(groups, resident), wbytes);
+      if (!best.plan.ok || clocks < best.clocks) {
+        best.clocks = clocks;
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, fwd, bwd};
+        found = true;
+      }
+    }
+    if (groups_wanted == 1) break;
+  }
+  return found;
+}
+
+// The grid plan (W_hh over more than 16 blocks): all groups resident at once, chunked staging of h.
+bool grid_plan(Cell cell, Weights w, int H, int B, const cudaDeviceProp& p, int device, Cost& best) {
+  const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
+  bool found = false;
+  for (int nc = kMaxCluster + 1; nc <= p.multiProcessorCount; ++nc) {
+    const int hs = ceil_div(H, nc);
+    if (ceil_div(H, hs) != nc) continue;
+    const int groups_max = p.multiProcessorCount / nc;  // one block per SM (W fills shared memory)
+    const int bs = ceil_div(B, groups_max), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
+    int64_t fwd = 0;
+    for (g.chunk = bs; g.chunk >= 1; g.chunk = g.chunk > 8 ? round_up(g.chunk / 2, 8) : g.chunk - 1) {
+      fwd = ForwardSmem(g, G, wbytes, batch_tile(g.chunk)).total;
+      if (fwd <= static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;
+    }
+    if (g.chunk < 1) continue;
+    const int64_t bwd = BackwardSmem(g, G, wbytes, bt, F).total;
+    if (bwd > static_cast<int64_t>(p.sharedMemPerBlockOptin)) continue;
+    // The forward kernel's batch tile follows the chunk; one bt for both keeps one plan field.
+    const int fbt = batch_tile(g.chunk);
+    const void* fk = forward_kernel(cell, w, fbt);
+    const void* bk = backward_kernel(cell, w, bt);
+    prepare(fk, device, p.sharedMemPerBlockOptin);
+    prepare(bk, device, p.sharedMemPerBlockOptin);
+    const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
+    if (resident < groups) continue;
+    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, nc, groups, wbytes);
+    if (!best.plan.ok || clocks < best.clocks) {
+      best.clocks = clocks;
+      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fwd, bwd};
+      found = true;
+    }
+  }
+  return found;
+}
+
+Geometry geometry(const LayerPlan& plan, const Sizes& z, bool reverse) {
+  return Geometry{static_cast<int>(z.B), static_cast<int>(z.T), static_cast<int>(z.H), plan.nc, plan.hs, plan.bs,
+                  plan.chunk, static_cast<Sync>(plan.sync), reverse ? 1 : 0};
+}
+
+template <typename Args>
+void launch(const void* kernel, const Args& args, const LayerPlan& plan, int64_t smem, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(plan.groups * plan.nc);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr = {};
+  if (plan.sync == static_cast<int>(Sync::kCluster)) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = plan.nc, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  } else {
+    attr.id = cudaLaunchAttributeCooperative;  // kGrid: every block resident at once (its barrier needs it)
+    attr.val.cooperative = 1;
+  }
+  cfg.attrs = &attr;
+  cfg.numAttrs = plan.sync == static_cast<int>(Sync::kLocal) ? 0 : 1;
+  void* params[] = {const_cast<Args*>(&args)};
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kernel, params));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+const float* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+std::string LayerPlan::describe() const {
+  if (!ok) return "";
+  static const char* names[] = {"local", "cluster", "grid"};
+  return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
+         " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
+         (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") + ", shared memory " +
+         std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
+}
+
+LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device) {
+  using Key = std::tuple<int, int, int64_t, int64_t, int>;
+  static std::map<Key, LayerPlan> cache;
+  const Key key{static_cast<int>(cell), static_cast<int>(weights), hidden, batch, device};
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const cudaDeviceProp& p = *at::cuda::getDeviceProperties(device);
+  LayerPlan plan;
+  if (p.major < 9) {
+    plan.why_not = "the kernels need thread-block clusters (compute capability 9.0 or newer); this GPU is " +
+                   std::to_string(p.major) + "." + std::to_string(p.minor);
+  } else if (hidden > (1 << 16) || batch > (1 << 24)) {
+    plan.why_not = "hidden size or batch beyond the kernels' limits";
+  } else {
+    const int H = static_cast<int>(hidden), B = static_cast<int>(batch);
+    Cost best;
+    for (int nc : {1, 2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, p, device, best);
+    if (!best.plan.ok) grid_plan(cell, weights, H, B, p, device, best);
+    plan = best.plan;
+    if (!plan.ok) {
+      const int64_t bytes = num_gates(cell) * hidden * hidden * (weights == Weights::kFP32 ? 4 : 2);
+      plan.why_not = "W_hh (" + std::to_string(bytes >> 20) + " MiB) does not fit in the shared memory of " +
+                     std::to_string(p.multiProcessorCount) + " blocks";
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  cache.emplace(key, plan);
+  return plan;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_run(
+    const LayerPlan& plan, const Sizes& z, const at::Tensor& xproj, const at::Tensor& w_hh,
+    const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+    const at::Tensor& lengths, bool reverse) {
+  c10::cuda::CUDAGuard guard(xproj.device());
+  const bool lstm = z.cell == Cell::kLSTM;
+  const auto opts = xproj.options();
+  at::Tensor y = at::zeros({z.B, z.T, z.H}, opts);  // padded steps stay zero
+  at::Tensor h_n = at::empty({z.B, z.H}, opts);
+  at::Tensor c_n = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
+  at::Tensor saved = at::empty({z.B, z.T, 4 * z.H}, opts);  // defined within each sample's length
+  at::Tensor cs = lstm ? at::empty({z.B, z.T, z.H}, opts) : at::empty({0}, opts);
+  at::Tensor xchg, arrivals;
+  if (plan.sync == static_cast<int>(Sync::kGrid)) {
+    xchg = at::empty({2 * plan.groups * plan.bs * z.H}, opts);
+    arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
+  }
+  ForwardArgs a{geometry(plan, z, reverse),
+                xproj.const_data_ptr<float>(),
+                w_hh.const_data_ptr<float>(),
+                ptr_or_null(b_hh),
+                h0.const_data_ptr<float>(),
+                lstm ? c0->const_data_ptr<float>() : nullptr,
+                lengths.const_data_ptr<int64_t>(),
+                y.data_ptr<float>(),
+                h_n.data_ptr<float>(),
+                lstm ? c_n.data_ptr<float>() : nullptr,
+                saved.data_ptr<float>(),
+                lstm ? cs.data_ptr<float>() : nullptr,
+                xchg.defined() ? xchg.data_ptr<float>() : nullptr,
+                arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
+  const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
+  launch(forward_kernel(z.cell, z.weights, bt), a, plan, plan.smem_forward,
+         at::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
+  return {y, h_n, c_n, saved, cs};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
+    const LayerPlan& plan, const Sizes& z, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
+    const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
+    const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
+    bool reverse) {
+  c10::cuda::CUDAGuard guard(y.device());
+  const bool lstm = z.cell == Cell::kLSTM;
+  const int64_t G = num_gates(z.cell);
+  const auto opts = y.options();
+  at::Tensor dgates = at::zeros({z.B, z.T, G * z.H}, opts);  // padded steps stay zero
+  at::Tensor dgates_hn = lstm ? at::empty({0}, opts) : at::zeros({z.B, z.T, z.H}, opts);
+  at::Tensor dh0 = at::empty({z.B, z.H}, opts);
+  at::Tensor dc0 = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
+  at::Tensor xchg, arrivals;
+  if (plan.sync == static_cast<int>(Sync::kGrid)) {
+    xchg = at::empty({2 * plan.groups * plan.nc * plan.bs * z.H}, opts);
+    arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
+  }
+  BackwardArgs a{geometry(plan, z, reverse),
+                 w_hh.const_data_ptr<float>(),
+                 y.const_data_ptr<float>(),
+                 saved.const_data_ptr<float>(),
+                 lstm ? cs.const_data_ptr<float>() : nullptr,
+                 h0.const_data_ptr<float>(),
+                 lstm ? c0->const_data_ptr<float>() : nullptr,
+                 lengths.const_data_ptr<int64_t>(),
+                 ptr_or_null(dy),
+                 ptr_or_null(dh_n),
+                 ptr_or_null(dc_n),
+                 dgates.data_ptr<float>(),
+                 lstm ? nullptr : dgates_hn.data_ptr<float>(),
+                 dh0.data_ptr<float>(),
+                 lstm ? dc0.data_ptr<float>() : nullptr,
+                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
+                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
+  launch(backward_kernel(z.cell, z.weights, plan.bt), a, plan, plan.smem_backward,
+         at::cuda::getCurrentCUDAStream(y.get_device()).stream());
+  return {dgates, dgates_hn, dh0, dc0};
+}
+
+}  // namespace vlseq::rnn

@@ -1,0 +1,66 @@
+// The recurrent layer ops (rnn_forward / rnn_backward): what they compute, their sizes, and the
+// argument checks shared by the CPU and CUDA kernels.
+//
+// One layer in one direction of an LSTM or GRU over a zero-padded batch with per-sample lengths.
+// The input projection x_t W_ih^T + b_ih of every step is one GEMM before the call (`xproj`), and
+// the weight gradients are GEMMs after rnn_backward (vlseq_ext/nn/functional.py); the ops hold
+// only the recurrence, the part that is a chain of dependent steps.
+//
+// Gates, in torch's order: LSTM i, f, g, o (G = 4); GRU r, z, n (G = 3). With gh = W_hh h + b_hh:
+//   LSTM  c' = sigmoid(f) * c + sigmoid(i) * tanh(g), h' = sigmoid(o) * tanh(c')
+//   GRU   r = sigmoid(x_r + gh_r), z = sigmoid(x_z + gh_z), n = tanh(x_n + r * gh_n),
+//         h' = (1 - z) * n + z * h
+// Sample b runs its own len_b steps (t = 0 .. len_b-1, or len_b-1 .. 0 with reverse) and then
+// stops: its state freezes, its outputs there are zero and its gradients there are zero, so every
+// result equals that of the unpadded sample alone.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+#include <optional>
+#include <string>
+
+namespace vlseq::rnn {
+
+enum class Cell { kLSTM, kGRU };
+// The precision of W_hh in the recurrent products; state and accumulation are fp32 either way.
+enum class Weights { kFP32, kBF16 };
+
+inline int num_gates(Cell c) { return c == Cell::kLSTM ? 4 : 3; }
+
+Cell parse_cell(const char* op, const std::string& name);
+Weights parse_weights(const char* op, const std::string& name);
+
+struct Sizes {
+  Cell cell;
+  Weights weights;
+  int64_t B, T, H;
+};
+
+// rnn_forward(cell, xproj (B, T, G*H), w_hh (G*H, H), b_hh (G*H)?, h0 (B, H), c0 (B, H)? [LSTM
+// only], lengths (B,) int64, reverse, weights) -> (y (B, T, H), h_n (B, H), c_n (B, H) [empty for
+// GRU], saved (B, T, 4H), cs (B, T, H) [empty for GRU]). All float32, contiguous, on one device.
+// saved holds what backward needs at every step: LSTM [i, f, g, o] after their activations, GRU
+// [r, z, n, W_hn h + b_hn]; cs the LSTM cell states.
+Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::Tensor& w_hh,
+                    const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+                    const at::Tensor& lengths, const std::string& weights);
+
+// rnn_backward(cell, w_hh, y, saved, cs, h0, c0?, lengths, dy?, dh_n?, dc_n?, reverse, weights)
+//   -> (dgates (B, T, G*H): d loss / d xproj, zero at padded steps;
+//       dgates_hn (B, T, H) [GRU only, else empty]: d loss / d (W_hn h + b_hn), so that the
+//         recurrent pre-activation gradient is [dgates_r, dgates_z, dgates_hn];
+//       dh0 (B, H), dc0 (B, H) [empty for GRU]).
+// Missing dy / dh_n / dc_n count as zeros.
+Sizes check_backward(const std::string& cell, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
+                     const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
+                     const at::Tensor& lengths, const std::optional<at::Tensor>& dy,
+                     const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
+                     const std::string& weights);
+
+// Lengths are read on the device, so they cannot be checked without a host sync: every kernel
+// clamps them to [0, T] (vlseq_ext.nn checks lengths that are on the CPU).
+C10_HOST_DEVICE inline int64_t clamp_length(int64_t len, int64_t T) { return len < 0 ? 0 : (len > T ? T : len); }
+
+}  // namespace vlseq::rnn

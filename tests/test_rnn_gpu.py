@@ -1,0 +1,256 @@
+"""The persistent LSTM/GRU kernels on the GPU against float64: outputs, final states and every
+gradient (inputs, weights, biases, h0/c0) within 1e-5 relative in fp32, over random lengths (1
+included), long sequences, odd sizes, batches 1-256, bidirectional and multi-layer layers, every
+layout the planner picks (one block, clusters, the grid); the same bits run to run and in CUDA-graph
+replays; TF32 and bf16 modes within their documented tolerances.
+
+The oracle is torch's own module in float64 on a PackedSequence (each sample its own length)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import vlseq_ext.nn as vnn
+from vlseq_ext import ops
+
+from helpers import assert_same_bits
+
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.usefixtures("no_tf32")]
+DEV = "cuda"
+
+
+def make(rand, cls, D, H, layers=1, bidirectional=False, bias=True, lengths=(5,), with_state=True):
+    torch.manual_seed(rand.seed % 2**31)
+    ref = cls(D, H, num_layers=layers, bidirectional=bidirectional, bias=bias, batch_first=True)
+    mod = (vnn.LSTM if cls is nn.LSTM else vnn.GRU)(D, H, num_layers=layers, bidirectional=bidirectional, bias=bias,
+                                                   batch_first=True)
+    mod.load_state_dict(ref.state_dict())
+    B, T = len(lengths), max(lengths)
+    lens = torch.tensor(lengths)
+    x = rand.randn(B, T, D)
+    x[torch.arange(T)[None, :] >= lens[:, None]] = 0
+    dirs = 2 if bidirectional else 1
+    hx = None
+    if with_state:
+        h0 = rand.randn(layers * dirs, B, H)
+        hx = (h0, rand.randn(layers * dirs, B, H)) if cls is nn.LSTM else h0
+    return ref, mod.to(DEV), x, lens, hx
+
+
+def _to(hx, **kw):
+    if hx is None:
+        return None
+    return tuple(h.to(**kw) for h in hx) if isinstance(hx, tuple) else hx.to(**kw)
+
+
+def run_and_grads(module, x, lens, hx, up, packed_oracle=False):
+    """Forward, a fixed random linear loss on every output, and the gradients of x, hx, params."""
+    x = x.detach().clone().requires_grad_()
+    hx = _to(hx)
+    if hx is not None:
+        hx = tuple(h.detach().clone().requires_grad_() for h in hx) if isinstance(hx, tuple) else \
+            hx.detach().clone().requires_grad_()
+    if packed_oracle:
+        out, state = module(pack_padded_sequence(x, lens, batch_first=True, enforce_sorted=False), hx)
+        out = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+    else:
+        out, state = module(x, hx, lengths=lens.to(x.device))
+    states = state if isinstance(state, tuple) else (state,)
+    loss = (out * up[0].to(out)).sum() + sum((s * u.to(s)).sum() for s, u in zip(states, up[1:]))
+    ins = [x] + ([] if hx is None else list(hx if isinstance(hx, tuple) else (hx,))) + list(module.parameters())
+    grads = torch.autograd.grad(loss, ins)
+    return [out, *states], list(grads)
+
+
+def compare(rand, cls, D, H, layers=1, bidirectional=False, bias=True, lengths=(5,), rtol=1e-5, with_state=True):
+    ref, mod, x, lens, hx = make(rand, cls, D, H, layers, bidirectional, bias, lengths, with_state)
+    dirs = 2 if bidirectional else 1
+    B = len(lengths)
+    up = [rand.randn(B, max(lengths), dirs * H, device=DEV)] + \
+         [rand.randn(layers * dirs, B, H, device=DEV) for _ in range(2 if cls is nn.LSTM else 1)]
+    got, got_g = run_and_grads(mod, x.to(DEV), lens, _to(hx, device=DEV), up)
+    ref64 = copy.deepcopy(ref).to(DEV, torch.float64)
+    want, want_g = run_and_grads(ref64, x.to(DEV, torch.float64), lens, _to(hx, device=DEV, dtype=torch.float64),
+                                 up, packed_oracle=True)
+    names = ["output", "h_n", "c_n"][:len(got)]
+    names += ["d input"] + (["d h0", "d c0"][:len(got) - 1] if hx is not None else []) + \
+        [f"d {n}" for n, _ in mod.named_parameters()]
+    for name, a, b in zip(names, got + got_g, want + want_g):
+        assert a.dtype == torch.float32, name
+        err = ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol} ({cls.__name__} D={D} H={H} layers={layers} " \
+                            f"bidirectional={bidirectional} lengths {min(lengths)}..{max(lengths)})"
+    return mod, x, lens, hx
+
+
+def random_lengths(rand, B, low, high):
+    lens = [rand.py.randint(low, high) for _ in range(B)]
+    lens[rand.py.randrange(B)] = high
+    return tuple(lens)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_small_one_block_layout(rand, cls):
+    compare(rand, cls, 36, 64, lengths=random_lengths(rand, 8, 1, 40))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_wide_two_layer_one_sample_480_steps(rand, cls):
+    compare(rand, cls, 36, 256, layers=2, lengths=(480,))
+
+
+def test_wide_bidirectional_batch_32_lengths_50_to_500(rand):
+    compare(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True, lengths=random_lengths(rand, 32, 50, 500))
+
+
+def test_gru_256_two_layers_bidirectional_batch_32(rand):
+    compare(rand, nn.GRU, 36, 256, layers=2, bidirectional=True, lengths=random_lengths(rand, 32, 1, 200))
+
+
+@pytest.mark.parametrize("cls,D,H", [(nn.LSTM, 1, 100), (nn.GRU, 300, 257), (nn.LSTM, 300, 257), (nn.GRU, 1, 100)])
+def test_odd_sizes(rand, cls, D, H):
+    compare(rand, cls, D, H, lengths=random_lengths(rand, 5, 1, 60))
+
+
+def test_no_bias_no_initial_state_three_layers(rand):
+    compare(rand, nn.LSTM, 7, 48, layers=3, bias=False, lengths=random_lengths(rand, 6, 1, 30), with_state=False)
+
+
+def test_batch_256(rand):
+    compare(rand, nn.GRU, 8, 128, lengths=random_lengths(rand, 256, 1, 50))
+
+
+def test_2000_steps(rand):
+    compare(rand, nn.LSTM, 4, 64, lengths=(2000, 1, 1337))
+
+
+@pytest.mark.parametrize("H", [512, 1024])
+def test_grid_layout_large_hidden(rand, H):
+    """fp32 W_hh of H >= 512 does not fit a cluster: the grid layout with its global barrier."""
+    plan = ops.rnn_plan("lstm", H, 32, "fp32", DEV)
+    assert plan.startswith("grid"), plan
+    compare(rand, nn.LSTM, 36, H, lengths=random_lengths(rand, 32, 1, 100))
+
+
+def test_plans_cover_the_layouts():
+    assert ops.rnn_plan("lstm", 32, 1, "fp32", DEV).startswith("local")
+    assert ops.rnn_plan("lstm", 256, 1, "fp32", DEV).startswith("cluster")
+    assert ops.rnn_plan("gru", 1024, 8, "fp32", DEV).startswith("grid")
+    assert ops.rnn_plan("lstm", 4096, 1, "fp32", DEV) == ""  # 256 MiB of W_hh: no layout holds it
+
+
+def test_too_large_falls_back_with_one_warning(rand):
+    mod = vnn.LSTM(4, 4096).to(DEV)
+    x = rand.randn(3, 1, 4, device=DEV)
+    with pytest.warns(vnn.VlseqFallbackWarning, match="does not fit"):
+        out, _ = mod(x)
+    want, _ = nn.LSTM.forward(mod, x)
+    torch.testing.assert_close(out, want)
+
+
+def test_same_bits_run_to_run(rand):
+    ref, mod, x, lens, hx = make(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True,
+                                 lengths=random_lengths(rand, 7, 1, 90))
+    up = [rand.randn(7, 90, 512, device=DEV), rand.randn(4, 7, 256, device=DEV), rand.randn(4, 7, 256, device=DEV)]
+    first = run_and_grads(mod, x.to(DEV), lens, _to(hx, device=DEV), up)
+    for _ in range(3):
+        again = run_and_grads(mod, x.to(DEV), lens, _to(hx, device=DEV), up)
+        for a, b in zip(first[0] + first[1], again[0] + again[1]):
+            assert_same_bits(a, b, "rerun")
+
+
+@pytest.mark.parametrize("H", [64, 256, 1024])
+def test_graph_replay_matches_eager(rand, H):
+    """Capture-safe: no host sync, no allocation outside the caching allocator (grid layouts launch
+    cooperatively inside the graph)."""
+    mod = vnn.LSTM(16, H, batch_first=True).to(DEV)
+    B, T = 4, 33
+    x = rand.randn(B, T, 16, device=DEV)
+    lens = torch.tensor([33, 1, 20, 7], device=DEV)
+
+    def step():
+        for p in mod.parameters():
+            p.grad = None
+        out, (h, c) = mod(x, lengths=lens)
+        (out.square().sum() + h.sum() + c.sum()).backward()
+        return [out.detach(), h.detach(), c.detach()] + [p.grad.detach().clone() for p in mod.parameters()]
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        assert_same_bits(a, b, "graph replay")
+
+
+def test_concurrent_streams_each_correct(rand):
+    """One-sample calls on several streams at once (the trainer's lanes): clusters run side by side."""
+    mod = vnn.LSTM(8, 256, batch_first=True).to(DEV)
+    xs = [rand.randn(1, 50 + 10 * i, 8, device=DEV) for i in range(4)]
+    alone = [mod(x)[0] for x in xs]
+    streams = [torch.cuda.Stream() for _ in xs]
+    outs = [None] * len(xs)
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for i, (s, x) in enumerate(zip(streams, xs)):
+        with torch.cuda.stream(s):
+            outs[i] = mod(x)[0]
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(outs, alone):
+        assert_same_bits(a, b, "concurrent")
+
+
+def test_tf32_mode_tolerance(rand):
+    torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it
+    compare(rand, nn.LSTM, 36, 256, layers=2, lengths=random_lengths(rand, 8, 1, 100), rtol=2e-3)
+
+
+def test_bf16_autocast_tolerance(rand):
+    ref, mod, x, lens, hx = make(rand, nn.LSTM, 36, 256, lengths=random_lengths(rand, 8, 1, 100))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, (h, c) = mod(x.to(DEV), _to(hx, device=DEV), lengths=lens)
+    assert out.dtype == torch.float32
+    want = ref.to(DEV, torch.float64)(pack_padded_sequence(x.to(DEV, torch.float64), lens, batch_first=True,
+                                                           enforce_sorted=False), _to(hx, device=DEV,
+                                                                                       dtype=torch.float64))
+    want_out = pad_packed_sequence(want[0], batch_first=True, total_length=x.shape[1])[0]
+    err = ((out.double() - want_out).norm() / want_out.norm()).item()
+    assert err < 3e-2, err
+
+
+def test_op_lengths_zero_and_beyond_are_clamped(rand):
+    """Device lengths are not read on the host: 0 runs no step (state = h0), > T runs T steps."""
+    B, T, H = 3, 6, 32
+    xp = rand.randn(B, T, 4 * H, device=DEV)
+    w = rand.randn(4 * H, H, device=DEV, scale=0.2)
+    h0, c0 = rand.randn(B, H, device=DEV), rand.randn(B, H, device=DEV)
+    lens = torch.tensor([0, 6, 99], device=DEV)
+    got = ops.rnn_forward("lstm", xp, w, None, h0, c0, lens, False, "fp32")
+    cpu = ops.rnn_forward("lstm", xp.cpu(), w.cpu(), None, h0.cpu(), c0.cpu(), lens.cpu(), False, "fp32")
+    torch.testing.assert_close(got[1][0], h0[0])
+    assert got[0][0].abs().max() == 0
+    for a, b in zip(got[:3], cpu[:3]):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_input_returns_torchs_packing(rand):
+    ref, mod, x, lens, hx = make(rand, nn.GRU, 5, 200, layers=2, lengths=random_lengths(rand, 6, 1, 25))
+    packed = pack_padded_sequence(x.to(DEV), lens, batch_first=True, enforce_sorted=False)
+    out, h = mod(packed, _to(hx, device=DEV))
+    want, wh = nn.GRU.forward(mod, packed, _to(hx, device=DEV))
+    assert torch.equal(out.batch_sizes, want.batch_sizes)
+    assert torch.equal(out.sorted_indices, want.sorted_indices)
+    torch.testing.assert_close(out.data, want.data, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h, wh, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,241 @@
+"""Drop-in `nn.LSTM` / `nn.GRU` that run on the persistent kernels where they can.
+
+Same constructor, parameters, state_dict and outputs as torch's modules (they are subclasses), plus
+`lengths=` for zero-padded input: each sample then runs its own steps only (outputs zero past its
+length, h_n/c_n at its last step), which equals running it alone. `PackedSequence` input runs the
+same way. Where the kernels cannot run a call (CPU tensors, `proj_size`, a dtype other than float32,
+a GPU without thread-block clusters, a layer too large to keep on chip) the module runs torch's own
+implementation with the same semantics; with `kernels="vlseq"` it says so once per reason. Double
+backward through the kernels is not supported (it raises).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Set
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+from .. import ops
+from . import functional
+
+__all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
+
+KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
+# At and below this width cuDNN runs its own persistent kernel for unpadded float32 input
+# (PERSIST_STATIC_SMALL_H), so "auto" leaves such calls to it. BENCHMARKS.md (rnn suite) has the
+# measurements behind the rule.
+AUTO_CUDNN_MAX_HIDDEN = 128
+
+
+# The CPU kernels (ops.rnn_forward on CPU) are slower than torch's CPU RNN, so the modules never pick
+# them; tests set this to run the modules' kernel path (input handling, packing) on CPU-only CI.
+CPU_KERNELS = False
+
+
+class VlseqFallbackWarning(UserWarning):
+    """A vlseq_ext.nn module asked for the kernels (kernels="vlseq") ran torch's RNN instead."""
+
+
+_warned: Set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"vlseq_ext.nn: running torch's RNN instead of the vlseq kernels: {reason}",
+                      VlseqFallbackWarning, stacklevel=4)
+
+
+def _check_kernels(kernels: str) -> str:
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; got {kernels!r}")
+    return kernels
+
+
+class _KernelRNN:
+    """What LSTM and GRU share: the choice of implementation per call and the input handling."""
+
+    kernels: str = "vlseq"
+
+    def kernel_fallback_reason(self, x: Tensor, batch: int) -> Optional[str]:
+        """Why this call cannot run on the kernels, or None when it can."""
+        if not x.is_cuda and not (CPU_KERNELS and x.device.type == "cpu" and ops.has_extension()):
+            return "the input is not on a CUDA device"
+        if x.is_cuda and not ops.has_rnn_kernels():
+            return "the extension was built without its CUDA kernels"
+        if getattr(self, "proj_size", 0):
+            return "proj_size is not supported"
+        params = {p.dtype for p in self.parameters()}
+        if params != {torch.float32}:
+            return f"the kernels take float32 parameters, got {', '.join(sorted(map(str, params)))}"
+        if x.dtype != torch.float32 and not (x.dtype == torch.bfloat16 and functional.precision_for(x) == "bf16"):
+            return f"the kernels take float32 input (or bfloat16 under bf16 autocast), got {x.dtype}"
+        if any(p.device != x.device for p in self.parameters()):
+            return "parameters and input are on different devices"
+        cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
+        if not self._fits(cell, batch, x.device):
+            return f"a {cell} of hidden size {self.hidden_size} does not fit the kernels on {x.device}"
+        return None
+
+    def _fits(self, cell: str, batch: int, device: torch.device) -> bool:
+        # Cached per module: rnn_plan is cached in C++ too, but each call allocates a tensor.
+        cache = self.__dict__.setdefault("_vlseq_fits", {})
+        key = (cell, self.hidden_size, batch, str(device))
+        if key not in cache:
+            cache[key] = bool(ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device))
+        return cache[key]
+
+    def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
+        """Whether a call with this input runs on the kernels (`padded`: the samples have different
+        lengths, i.e. lengths or a PackedSequence were given)."""
+        if self.kernels == "cudnn":
+            return False
+        reason = self.kernel_fallback_reason(x, batch)
+        if reason is not None:
+            if self.kernels == "vlseq":
+                _warn_once(reason)
+            return False
+        if self.kernels == "auto" and not padded and self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN:
+            return False
+        return True
+
+    def _run(self, input, hx=None, lengths=None):
+        if isinstance(input, PackedSequence):
+            if lengths is not None:
+                raise ValueError("lengths= is for padded input; a PackedSequence carries its own lengths")
+            return self._run_packed(input, hx)
+        if not isinstance(input, Tensor):
+            raise TypeError(f"input must be a Tensor or a PackedSequence, got {type(input).__name__}")
+        if input.dim() not in (2, 3):
+            raise ValueError(f"input must be 2-D (steps, features) or 3-D, got shape {tuple(input.shape)}")
+        if input.shape[-1] != self.input_size:
+            raise ValueError(f"input has {input.shape[-1]} features per step, the module expects {self.input_size}")
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(0) if unbatched else (input if self.batch_first else input.transpose(0, 1))
+        B, T = x.shape[0], x.shape[1]
+        lengths = self._lengths(lengths, B, T, x.device, unbatched)
+        if unbatched and hx is not None:
+            hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+        if T == 0 or B == 0 or not self.uses_kernels(x, B, lengths is not None):
+            out, state = self._torch_padded(x, hx, lengths)
+        else:
+            steps = lengths if lengths is not None else torch.full((B,), T, dtype=torch.long, device=x.device)
+            self._check_state(hx, B, x)
+            out, h_n, c_n = functional.rnn(self, x, steps, hx)
+            state = (h_n, c_n) if isinstance(self, nn.LSTM) else h_n
+        if unbatched:
+            out = out.squeeze(0)
+            state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, state
+
+    def _lengths(self, lengths, B: int, T: int, device, unbatched: bool) -> Optional[Tensor]:
+        """lengths as an int64 tensor on `device`, checked when they are on the CPU (a CUDA tensor is
+        used as is: checking it would wait for the GPU; the kernels clamp it to [0, T])."""
+        if lengths is None:
+            return None
+        if unbatched:
+            raise ValueError("lengths= needs batched input (batch, steps, features) or (steps, batch, features)")
+        if not isinstance(lengths, Tensor):
+            lengths = torch.as_tensor(lengths)
+        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
+            raise ValueError(f"lengths must be integers, got {lengths.dtype}")
+        if tuple(lengths.shape) != (B,):
+            raise ValueError(f"lengths must have shape ({B},) (one per sample), got {tuple(lengths.shape)}")
+        if lengths.device.type == "cpu" and B and (int(lengths.min()) < 1 or int(lengths.max()) > T):
+            raise ValueError(f"lengths must be in 1..{T} (the padded number of steps), got "
+                             f"{int(lengths.min())}..{int(lengths.max())}")
+        return lengths.to(device=device, dtype=torch.long, non_blocking=True)
+
+    def _check_state(self, hx, B: int, x: Tensor) -> None:
+        dirs = 2 if self.bidirectional else 1
+        want = (self.num_layers * dirs, B, self.hidden_size)
+        states = hx if isinstance(hx, tuple) else (() if hx is None else (hx,))
+        if isinstance(self, nn.LSTM) and hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
+            raise ValueError("an LSTM's hx must be a tuple (h0, c0)")
+        for s in states:
+            if tuple(s.shape) != want:
+                raise ValueError(f"initial state must have shape {want}, got {tuple(s.shape)}")
+            if s.device != x.device:
+                raise ValueError(f"initial state is on {s.device} but the input is on {x.device}")
+
+    def _torch_padded(self, x: Tensor, hx, lengths: Optional[Tensor]):
+        """torch's RNN with the kernels' semantics for padded input: packed by lengths (a CUDA
+        lengths tensor is read on the host here), outputs zero past each length."""
+        if lengths is None:
+            return self._batch_first_call(x, hx)
+        T = x.shape[1]
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, state = self._packed_torch(packed, hx)
+        out = pad_packed_sequence(out, batch_first=True, total_length=T)[0]
+        return out, state
+
+    def _batch_first_call(self, x: Tensor, hx):
+        out, state = super().forward(x if self.batch_first else x.transpose(0, 1), hx)  # type: ignore[misc]
+        return (out if self.batch_first else out.transpose(0, 1)), state
+
+    def _packed_torch(self, packed: PackedSequence, hx):
+        return super().forward(packed, hx)  # type: ignore[misc]
+
+    def _run_packed(self, packed: PackedSequence, hx):
+        x, lengths = pad_packed_sequence(packed, batch_first=True)  # original batch order
+        B = x.shape[0]
+        if not self.uses_kernels(x, B, True):
+            return self._packed_torch(packed, hx)
+        steps = lengths.to(x.device, non_blocking=True)
+        self._check_state(hx, B, x)
+        out, h_n, c_n = functional.rnn(self, x, steps, hx)
+        # Same packing (batch sizes and order) as the input, as torch's modules return.
+        if packed.sorted_indices is not None:
+            out = out.index_select(0, packed.sorted_indices)
+            lengths = lengths.index_select(0, packed.sorted_indices.cpu())
+        data = pack_padded_sequence(out, lengths, batch_first=True, enforce_sorted=True).data
+        out_packed = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+        return out_packed, ((h_n, c_n) if isinstance(self, nn.LSTM) else h_n)
+
+
+class LSTM(_KernelRNN, nn.LSTM):
+    """nn.LSTM on the persistent kernels. forward(input, hx=None, lengths=None) -> (output, (h_n, c_n)).
+
+    `kernels`: "vlseq" (default: the kernels wherever they can run, a one-time warning where they
+    cannot), "auto" (the kernels where the rnn bench measured them faster than cuDNN: every padded
+    or packed batch, and widths above 128), "cudnn" (torch's own). Settable at any time."""
+
+    def __init__(self, *args, kernels: str = "vlseq", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = _check_kernels(kernels)
+
+    def forward(self, input, hx=None, lengths=None):  # noqa: A002 - nn.LSTM's name
+        return self._run(input, hx, lengths)
+
+
+class GRU(_KernelRNN, nn.GRU):
+    """nn.GRU on the persistent kernels; see LSTM."""
+
+    def __init__(self, *args, kernels: str = "vlseq", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = _check_kernels(kernels)
+
+    def forward(self, input, hx=None, lengths=None):  # noqa: A002
+        return self._run(input, hx, lengths)
+
+
+def use_kernels(model: nn.Module, kernels: str = "auto") -> int:
+    """Makes every nn.LSTM / nn.GRU inside `model` run on the kernels (or, with "cudnn", on torch's),
+    in place: each module becomes the vlseq_ext.nn class of the same kind, keeping its Parameter
+    objects (optimizers and checkpoints are untouched) and its state_dict keys. Returns how many
+    modules it changed or set."""
+    _check_kernels(kernels)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (LSTM, GRU)):
+            module.kernels = kernels
+            count += 1
+        elif type(module) in (nn.LSTM, nn.GRU) and kernels != "cudnn":
+            module.__class__ = LSTM if type(module) is nn.LSTM else GRU
+            module.kernels = kernels
+            count += 1
+    return count
