@@ -98,6 +98,7 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
   bool found = false;
   for (int groups_wanted = std::min(B, 1024); groups_wanted >= 1; groups_wanted = groups_wanted * 3 / 4) {
     const int bs = ceil_div(B, groups_wanted), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
     const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
@@ -129,6 +130,7 @@ bool grid_plan(Cell cell, Weights w, int H, int B, const cudaDeviceProp& p, int 
     if (ceil_div(H, hs) != nc) continue;
     const int groups_max = p.multiProcessorCount / nc;  // one block per SM (W fills shared memory)
     const int bs = ceil_div(B, groups_max), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    if (bs * hs > kThreads * kMaxItems) continue;
     Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
     int64_t fwd = 0;
     for (g.chunk = bs; g.chunk >= 1; g.chunk = g.chunk > 8 ? round_up(g.chunk / 2, 8) : g.chunk - 1) {
@@ -245,7 +247,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor cs = lstm ? at::empty({z.B, z.T, z.H}, opts) : at::empty({0}, opts);
   at::Tensor xchg, arrivals;
   if (plan.sync == static_cast<int>(Sync::kGrid)) {
-    xchg = at::empty({2 * plan.groups * plan.bs * z.H}, opts);
+    // Rows of round_up(H, 4) for 16-byte loads; the padding stays zero (nobody writes it).
+    xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
   ForwardArgs a{geometry(plan, z, reverse),

@@ -56,6 +56,12 @@ enum class Sync : int { kLocal = 0, kCluster = 1, kGrid = 2 };
 constexpr int kThreads = 256;
 constexpr int kRowTile = 2;  // rows of W per product tile (the batch side, BT, is a template)
 constexpr int kMaxCluster = 16;
+constexpr int kWarps = kThreads / 32;
+// (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
+// so each thread's pairs are computed once and held in registers.
+constexpr int kMaxItems = 4;
+// Step inputs are prefetched two steps ahead (cp.async), into one of three buffers.
+constexpr int kStages = 3;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -117,7 +123,7 @@ struct ForwardSmem {
     w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
     h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
-    x = off, off += round_up(2 * g.bs * R * 4, 16);
+    x = off, off += round_up(kStages * g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
     cown = off, off += round_up(g.bs * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
@@ -140,7 +146,7 @@ struct BackwardSmem {
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
-    pre = off, off += round_up(2 * g.bs * F * g.hs * 4, 16);
+    pre = off, off += round_up(kStages * g.bs * F * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -153,7 +159,9 @@ const void* backward_kernel(Cell c, Weights w, int bt);
 
 #if defined(__CUDACC__)
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// Activations with the fast exponential and division: ~2e-7 absolute error, far inside the 1e-5
+// relative bar against float64, and a short dependency chain (the cell is on every step's path).
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 template <typename WT>
 __device__ __forceinline__ WT to_weight(float v);
@@ -173,16 +181,14 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
                      __uint_as_float(u.y & 0xffff0000u));
 }
 
-// 4-byte asynchronous copy global -> shared: the next step's inputs load while this step runs.
+// 4-byte asynchronous copy global -> shared: a later step's inputs load while this step runs.
 __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// Waits for every group but the newest (issued for the step after next).
+__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -190,34 +196,45 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// The kGrid barrier. Every block of a group adds 1 to the group's counter once per barrier, and
-// the counter only grows: barrier n is complete when it reaches n * nc. Thread 0 publishes the
-// block's global writes (ordered before it by the __syncthreads) with a fence and the atomic, and
-// spins on acquire loads; the closing __syncthreads hands that view to the block's other threads
-// (the pattern of cooperative_groups' grid.sync()).
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
-    while (load_acquire(counter) < target) {
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
+// The group barrier, split in two so that work that nobody waits for (this step's outputs to global
+// memory, the prefetch of a later step) runs while the other blocks catch up: arrive() publishes
+// this block's exchange writes, wait() returns when every block of the group has arrived and makes
+// their writes visible.
+//   kLocal   wait() is __syncthreads.
+//   kCluster barrier.cluster.arrive.release / wait.acquire. Global stores made between the two are
+//            not ordered by this barrier (nothing in the kernel reads them); they have a whole step to
+//            drain before the next arrive.release must wait for them.
+//   kGrid    a per-group counter that only grows: barrier n is complete when it reaches n * nc.
+//            Thread 0 publishes the block's global writes (ordered before it by __syncthreads) with a
+//            fence and the atomic, and spins on acquire loads; the closing __syncthreads hands that
+//            view to the other threads (cooperative_groups' grid.sync() pattern).
 struct GroupBarrier {
   Sync mode;
   unsigned* counter;
   unsigned nc;
   unsigned arrived;
-  __device__ void operator()() {
+  __device__ __forceinline__ void arrive() {
     if (mode == Sync::kCluster) {
-      cg::this_cluster().sync();
+      asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     } else if (mode == Sync::kGrid) {
+      __syncthreads();
       arrived += nc;
-      grid_barrier(counter, arrived);
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1u);
+      }
+    }
+  }
+  __device__ __forceinline__ void wait() {
+    if (mode == Sync::kCluster) {
+      asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    } else if (mode == Sync::kGrid) {
+      if (threadIdx.x == 0) {
+        while (load_acquire(counter) < arrived) {
+        }
+        __threadfence();
+      }
+      __syncthreads();
     } else {
       __syncthreads();
     }
@@ -257,6 +274,7 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
       for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
     const WT* w0 = W + r0 * ldw;
     const float* v0 = v + b0 * ldv;
+#pragma unroll 2
     for (int k4 = q; k4 < k4n; k4 += ks) {
       float4 w[kRowTile];
 #pragma unroll
@@ -292,6 +310,20 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
   }
 }
 
+// This thread's (sample, unit) pairs of the block: item i is pair tid + i * kThreads of the
+// row-major bv x hv grid; b = -1 past the end.
+struct Items {
+  int b[kMaxItems], j[kMaxItems];
+  __device__ __forceinline__ Items(int bv, int hv) {
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      const int e = static_cast<int>(threadIdx.x) + i * kThreads;
+      b[i] = e < bv * hv ? e / hv : -1;
+      j[i] = e < bv * hv ? e - b[i] * hv : 0;
+    }
+  }
+};
+
 template <Cell C, int BT, typename WT>
 __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -303,7 +335,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   const int rank = blockIdx.x % g.nc, group = blockIdx.x / g.nc;
   const int j0 = rank * hs, hv = max(0, min(hs, H - j0));
   const int b0 = group * g.bs, bv = min(g.bs, g.B - b0);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -316,7 +348,8 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   float* cown = reinterpret_cast<float*>(smem + lay.cown);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   const int hbuf = round_up(g.chunk, BT) * Kp;  // floats per h buffer
-  auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * H; };
+  // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
+  auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
 
   // Set-up: this block's W_hh rows (row q*hs + j <- W_hh[q*H + j0 + j]), zero padded.
   const int wrows = round_up(R, kRowTile);
@@ -353,42 +386,52 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
     float* out = xchg(0);
     for (int e = tid; e < bv * hv; e += kThreads) {
       const int b = e / hv, j = e - b * hv;
-      __stcg(out + static_cast<int64_t>(b) * H + j0 + j, a.h0[static_cast<int64_t>(b0 + b) * H + j0 + j]);
+      __stcg(out + static_cast<int64_t>(b) * Kp + j0 + j, a.h0[static_cast<int64_t>(b0 + b) * H + j0 + j]);
     }
   }
+  const Items it(bv, hv);
+  float bias[kMaxItems][G];
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i)
+#pragma unroll
+    for (int q = 0; q < G; ++q) bias[i][q] = it.b[i] >= 0 && a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
   __syncthreads();
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar();
+  bar.arrive();
+  bar.wait();
 
-  // Step s+1's input projections of this block's units, into x_s[parity].
-  auto prefetch = [&](int s, int parity) {
-    float* dst = x_s + parity * g.bs * R;
-    for (int e = tid; e < bv * G * hv; e += kThreads) {
-      const int b = e / (G * hv), rem = e - b * G * hv, q = rem / hv, j = rem - q * hv;
-      const int len = lens[b];
-      if (s < len) {
+  // Step s's input projections of this block's units, into x_s[s % kStages]: one row (sample,
+  // gate) per warp, units over the lanes.
+  auto prefetch = [&](int s) {
+    if (s < smax) {
+      float* dst = x_s + (s % kStages) * g.bs * R;
+      for (int row = warp; row < bv * G; row += kWarps) {
+        const int b = row / G, q = row - b * G, len = lens[b];
+        if (s >= len) continue;
         const int t = g.reverse ? len - 1 - s : s;
-        cp_async4(dst + (b * G + q) * hs + j, a.xproj + (static_cast<int64_t>(b0 + b) * T + t) * GH + q * H + j0 + j);
+        const float* src = a.xproj + (static_cast<int64_t>(b0 + b) * T + t) * GH + q * H + j0;
+        for (int j = lane; j < hv; j += 32) cp_async4(dst + (b * G + q) * hs + j, src + j);
       }
     }
-    cp_async_commit();
+    cp_async_commit();  // empty groups too: the wait below counts groups
   };
 
   const int ks = split_lanes(R, grid ? g.chunk : bv, BT, Kp / 4);
-  if (smax > 0) prefetch(0, 0);
+  prefetch(0);
+  prefetch(1);
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
-    if (s + 1 < smax) prefetch(s + 1, cur ^ 1);
     // Recurrent products: gates_s[b * R + r] = W_hh row r . h_{t-1} of sample b.
     if (grid) {
       const float* in = xchg(cur);
       for (int c0 = 0; c0 < bv; c0 += g.chunk) {
         const int nb = min(g.chunk, bv - c0);
-        for (int e = tid; e < nb * H; e += kThreads) {
-          const int b = e / H, k = e - b * H;
-          h_s[b * Kp + k] = __ldcg(in + static_cast<int64_t>(c0 + b) * H + k);
+        for (int row = warp; row < nb; row += kWarps) {
+          const float4* src = reinterpret_cast<const float4*>(in + static_cast<int64_t>(c0 + row) * Kp);
+          float4* dst = reinterpret_cast<float4*>(h_s + row * Kp);
+          for (int k4 = lane; k4 < Kp / 4; k4 += 32) dst[k4] = __ldcg(src + k4);
         }
         __syncthreads();
         matvec<BT>(w_s, ldw, R, Kp / 4, h_s, Kp, nb, ks,
@@ -399,71 +442,76 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     }
-    if (s + 1 < smax)
-      cp_async_wait<1>();
-    else
-      cp_async_wait<0>();
+    cp_async_wait_all_but_one();
     __syncthreads();
-    // The cell, for this block's units of every sample still running.
-    const float* xs = x_s + cur * g.bs * R;
-    for (int e = tid; e < bv * hv; e += kThreads) {
-      const int b = e / hv, j = e - b * hv;
-      const int len = lens[b];
-      if (s >= len) continue;  // frozen: hown keeps the last state
-      const int t = g.reverse ? len - 1 - s : s;
-      const int64_t row = static_cast<int64_t>(b0 + b) * T + t;
+    // The cell, for this thread's (sample, unit) pairs still running. Outputs stay in registers
+    // until the barrier has been arrived at.
+    const float* xs = x_s + (s % kStages) * g.bs * R;
+    float out[kMaxItems][6];
+    bool live[kMaxItems];
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      const int b = it.b[i], j = it.j[i];
+      live[i] = b >= 0 && s < lens[b];
+      if (!live[i]) continue;
       const float* xb = xs + b * R + j;  // gate q at xb[q * hs]
       const float* gb = gates_s + b * R + j;
-      float bias[G];
-#pragma unroll
-      for (int q = 0; q < G; ++q) bias[q] = a.b_hh ? a.b_hh[q * H + j0 + j] : 0.0f;
-      float* sv = a.saved + row * 4 * H + j0 + j;
-      float h;
       if constexpr (C == Cell::kLSTM) {
-        const float i = sigmoid(xb[0] + (gb[0] + bias[0]));
-        const float f = sigmoid(xb[hs] + (gb[hs] + bias[1]));
-        const float gg = tanhf(xb[2 * hs] + (gb[2 * hs] + bias[2]));
-        const float o = sigmoid(xb[3 * hs] + (gb[3 * hs] + bias[3]));
-        const float c = f * cown[b * hs + j] + i * gg;
-        h = o * tanhf(c);
+        const float ig = sigmoid(xb[0] + (gb[0] + bias[i][0]));
+        const float fg = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
+        const float gg = tanhf(xb[2 * hs] + (gb[2 * hs] + bias[i][2]));
+        const float og = sigmoid(xb[3 * hs] + (gb[3 * hs] + bias[i][3]));
+        const float c = fg * cown[b * hs + j] + ig * gg;
+        const float h = og * tanhf(c);
         cown[b * hs + j] = c;
-        sv[0] = i, sv[H] = f, sv[2 * H] = gg, sv[3 * H] = o;
-        a.cs[row * H + j0 + j] = c;
+        hown[b * hs + j] = h;
+        out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
       } else {
-        const float ghn = gb[2 * hs] + bias[2];
-        const float r = sigmoid(xb[0] + (gb[0] + bias[0]));
-        const float z = sigmoid(xb[hs] + (gb[hs] + bias[1]));
+        const float ghn = gb[2 * hs] + bias[i][2];
+        const float r = sigmoid(xb[0] + (gb[0] + bias[i][0]));
+        const float z = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
         const float n = tanhf(xb[2 * hs] + r * ghn);
-        h = (1.0f - z) * n + z * hown[b * hs + j];
-        sv[0] = r, sv[H] = z, sv[2 * H] = n, sv[3 * H] = ghn;
+        const float h = (1.0f - z) * n + z * hown[b * hs + j];
+        hown[b * hs + j] = h;
+        out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
       }
-      a.y[row * H + j0 + j] = h;
-      hown[b * hs + j] = h;
     }
     __syncthreads();
-    // Publish this block's units of h (frozen samples too) to every block of the group.
+    // Publish this block's units of h (frozen samples too) to every block of the group: one row
+    // (destination block, sample) per warp, units over the lanes.
     if (grid) {
-      float* out = xchg(cur ^ 1);
-      for (int e = tid; e < bv * hv; e += kThreads) {
-        const int b = e / hv, j = e - b * hv;
-        __stcg(out + static_cast<int64_t>(b) * H + j0 + j, hown[b * hs + j]);
-      }
+      float* dst = xchg(cur ^ 1);
+      for (int b = warp; b < bv; b += kWarps)
+        for (int j = lane; j < hv; j += 32) __stcg(dst + static_cast<int64_t>(b) * Kp + j0 + j, hown[b * hs + j]);
     } else {
       float* next = h_s + (cur ^ 1) * hbuf;
-      const int n = bv * hv;
-      for (int e = tid; e < g.nc * n; e += kThreads) {
-        const int dst = e / n, rem = e - dst * n, b = rem / hv, j = rem - b * hv;
+      for (int row = warp; row < g.nc * bv; row += kWarps) {
+        const int dst = row / bv, b = row - dst * bv;
         float* to = cluster ? cg::this_cluster().map_shared_rank(next, dst) : next;
-        to[b * Kp + j0 + j] = hown[b * hs + j];
+        for (int j = lane; j < hv; j += 32) to[b * Kp + j0 + j] = hown[b * hs + j];
       }
     }
-    bar();
+    bar.arrive();
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      if (!live[i]) continue;
+      const int b = it.b[i], len = lens[b], t = g.reverse ? len - 1 - s : s;
+      const int64_t row = static_cast<int64_t>(b0 + b) * T + t, unit = j0 + it.j[i];
+      float* sv = a.saved + row * 4 * H + unit;
+      a.y[row * H + unit] = out[i][0];
+      sv[0] = out[i][1], sv[H] = out[i][2], sv[2 * H] = out[i][3], sv[3 * H] = out[i][4];
+      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
+    }
+    prefetch(s + 2);
+    bar.wait();
   }
-  for (int e = tid; e < bv * hv; e += kThreads) {
-    const int b = e / hv, j = e - b * hv;
-    const int64_t at = static_cast<int64_t>(b0 + b) * H + j0 + j;
-    a.h_n[at] = hown[b * hs + j];
-    if (C == Cell::kLSTM) a.c_n[at] = cown[b * hs + j];
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (it.b[i] < 0) continue;
+    const int at = it.b[i] * hs + it.j[i];
+    const int64_t o = static_cast<int64_t>(b0 + it.b[i]) * H + j0 + it.j[i];
+    a.h_n[o] = hown[at];
+    if constexpr (C == Cell::kLSTM) a.c_n[o] = cown[at];
   }
 #endif
 }
@@ -480,7 +528,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   const int rank = blockIdx.x % g.nc, group = blockIdx.x / g.nc;
   const int j0 = rank * hs, hv = max(0, min(hs, H - j0));
   const int b0 = group * g.bs, bv = min(g.bs, g.B - b0);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -496,10 +544,6 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   // Partial dh of unit j0 + j of sample b from block q, exchanged at a step of parity `parity`.
   auto xchg = [&](int parity, int q) {
     return a.xchg + ((static_cast<int64_t>(parity) * groups + group) * g.nc + q) * g.bs * H;
-  };
-  auto received = [&](int parity, int q, int b, int j) {
-    return grid ? __ldcg(xchg(parity, q) + static_cast<int64_t>(b) * H + j0 + j)
-                : recv_s[((parity * g.nc + q) * g.bs + b) * hs + j];
   };
 
   for (int e = tid; e < ldt * Kp; e += kThreads) {  // k fastest: coalesced reads of W_hh rows
@@ -522,61 +566,79 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     dc_s[e] = mine && a.dc_n ? a.dc_n[at] : 0.0f;
     ddir[e] = 0.0f;
   }
+  const Items it(bv, hv);
   __syncthreads();
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar();
+  bar.arrive();
+  bar.wait();
 
-  // What step s reads per (sample, unit), into pre[parity].
-  auto prefetch = [&](int s, int parity) {
-    float* dst = pre + parity * g.bs * F * hs;
-    for (int e = tid; e < bv * F * hv; e += kThreads) {
-      const int b = e / (F * hv), rem = e - b * F * hv, f = rem / hv, j = rem - f * hv;
-      const int len = lens[b];
-      if (s >= len) continue;
-      const int t = g.reverse ? len - 1 - s : s;
-      const int tp = g.reverse ? len - s : s - 1;  // the step before (s > 0)
-      const int64_t row = static_cast<int64_t>(b0 + b) * T + t, prow = static_cast<int64_t>(b0 + b) * T + tp;
-      const int64_t unit = static_cast<int64_t>(j0 + j), first = static_cast<int64_t>(b0 + b) * H + unit;
-      const float* src = nullptr;
-      if (f < 4) {
-        src = a.saved + row * 4 * H + f * H + unit;
-      } else if (f == F - 1) {
-        src = a.dy ? a.dy + row * H + unit : nullptr;
-      } else if (C == Cell::kLSTM && f == 4) {
-        src = a.cs + row * H + unit;
-      } else if (C == Cell::kLSTM) {  // c_{t-1}
-        src = s > 0 ? a.cs + prow * H + unit : a.c0 + first;
-      } else {  // GRU h_{t-1}
-        src = s > 0 ? a.y + prow * H + unit : a.h0 + first;
+  // The sum, in rank order, of the partial dh that every block delivered for pair (b, j) at a
+  // step of parity `parity`.
+  auto received = [&](int parity, int b, int j) {
+    float acc = 0.0f;
+    if (grid) {
+      const float* src = a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.nc * g.bs * H +
+                         static_cast<int64_t>(b) * H + j0 + j;
+      const int64_t stride = static_cast<int64_t>(g.bs) * H;
+#pragma unroll 8
+      for (int q = 0; q < g.nc; ++q) acc += __ldcg(src + q * stride);
+    } else {
+      const float* src = recv_s + (parity * g.nc * g.bs + b) * hs + j;
+#pragma unroll 8
+      for (int q = 0; q < g.nc; ++q) acc += src[q * g.bs * hs];
+    }
+    return acc;
+  };
+
+  // What step s reads per (sample, unit), into pre[s % kStages]: one row (sample, field) per warp.
+  auto prefetch = [&](int s) {
+    if (s >= 0) {
+      float* dst = pre + (s % kStages) * g.bs * F * hs;
+      for (int row = warp; row < bv * F; row += kWarps) {
+        const int b = row / F, f = row - b * F, len = lens[b];
+        if (s >= len) continue;
+        const int t = g.reverse ? len - 1 - s : s;
+        const int tp = g.reverse ? len - s : s - 1;  // the step before (s > 0)
+        const int64_t at = static_cast<int64_t>(b0 + b) * T + t, prev = static_cast<int64_t>(b0 + b) * T + tp;
+        const float* src;
+        if (f < 4) {
+          src = a.saved + at * 4 * H + f * H;
+        } else if (f == F - 1) {
+          if (!a.dy) continue;
+          src = a.dy + at * H;
+        } else if (C == Cell::kLSTM && f == 4) {
+          src = a.cs + at * H;
+        } else if (C == Cell::kLSTM) {  // c_{t-1}
+          src = s > 0 ? a.cs + prev * H : a.c0 + static_cast<int64_t>(b0 + b) * H;
+        } else {  // GRU h_{t-1}
+          src = s > 0 ? a.y + prev * H : a.h0 + static_cast<int64_t>(b0 + b) * H;
+        }
+        for (int j = lane; j < hv; j += 32) cp_async4(dst + (b * F + f) * hs + j, src + j0 + j);
       }
-      if (src) cp_async4(dst + (b * F + f) * hs + j, src);
     }
     cp_async_commit();
   };
 
   const int ks = split_lanes(H, bv, BT, Rp / 4);
-  if (smax > 0) prefetch(smax - 1, (smax - 1) & 1);
+  prefetch(smax - 1);
+  prefetch(smax - 2);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
-    if (s > 0) {
-      prefetch(s - 1, cur ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait_all_but_one();
     __syncthreads();
-    const float* ps = pre + cur * g.bs * F * hs;
-    for (int e = tid; e < bv * hv; e += kThreads) {
-      const int b = e / hv, j = e - b * hv, at = b * hs + j;
-      const int len = lens[b];
+    const float* ps = pre + (s % kStages) * g.bs * F * hs;
+    float out[kMaxItems][G + 1];
+    bool live[kMaxItems];
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      const int b = it.b[i], j = it.j[i];
+      live[i] = false;
+      if (b < 0) continue;
+      const int at = b * hs + j, len = lens[b];
       float dhc = dh_s[at];
-      if (s + 1 < len) {  // dh_t from step s+1's exchange, summed in rank order
-        float acc = 0.0f;
-        for (int q = 0; q < g.nc; ++q) acc += received(cur ^ 1, q, b, j);
-        dhc = acc + ddir[at];
-      }
+      if (s + 1 < len) dhc = received(cur ^ 1, b, j) + ddir[at];  // dh_t from step s+1's exchange
       dh_s[at] = dhc;
       float* dgb = dg_s + b * Rp + j;  // gate q at dgb[q * hs]
       if (s >= len) {
@@ -584,61 +646,66 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
         for (int q = 0; q < G; ++q) dgb[q * hs] = 0.0f;
         continue;
       }
-      const int t = g.reverse ? len - 1 - s : s;
-      const int64_t row = static_cast<int64_t>(b0 + b) * T + t;
+      live[i] = true;
       const float* p = ps + b * F * hs + j;  // field f at p[f * hs]
       const float dht = dhc + (a.dy ? p[(F - 1) * hs] : 0.0f);
-      float d[G];
       if constexpr (C == Cell::kLSTM) {
-        const float i = p[0], f = p[hs], gg = p[2 * hs], o = p[3 * hs], ct = p[4 * hs], cp = p[5 * hs];
+        const float ig = p[0], fg = p[hs], gg = p[2 * hs], og = p[3 * hs], ct = p[4 * hs], cp = p[5 * hs];
         const float tc = tanhf(ct);
-        const float dct = dc_s[at] + dht * o * (1.0f - tc * tc);
-        d[0] = dct * gg * i * (1.0f - i);
-        d[1] = dct * cp * f * (1.0f - f);
-        d[2] = dct * i * (1.0f - gg * gg);
-        d[3] = dht * tc * o * (1.0f - o);
-        dc_s[at] = dct * f;
+        const float dct = dc_s[at] + dht * og * (1.0f - tc * tc);
+        out[i][0] = dct * gg * ig * (1.0f - ig);
+        out[i][1] = dct * cp * fg * (1.0f - fg);
+        out[i][2] = dct * ig * (1.0f - gg * gg);
+        out[i][3] = dht * tc * og * (1.0f - og);
+        dc_s[at] = dct * fg;
 #pragma unroll
-        for (int q = 0; q < G; ++q) dgb[q * hs] = d[q];
+        for (int q = 0; q < G; ++q) dgb[q * hs] = out[i][q];
       } else {
         const float r = p[0], z = p[hs], n = p[2 * hs], ghn = p[3 * hs], hp = p[4 * hs];
         const float dn = dht * (1.0f - z) * (1.0f - n * n);
-        d[0] = dn * ghn * r * (1.0f - r);
-        d[1] = dht * (hp - n) * z * (1.0f - z);
-        d[2] = dn;
-        a.dgates_hn[row * H + j0 + j] = dn * r;
-        dgb[0] = d[0], dgb[hs] = d[1], dgb[2 * hs] = dn * r;
+        out[i][0] = dn * ghn * r * (1.0f - r);
+        out[i][1] = dht * (hp - n) * z * (1.0f - z);
+        out[i][2] = dn;
+        out[i][3] = dn * r;
+        dgb[0] = out[i][0], dgb[hs] = out[i][1], dgb[2 * hs] = out[i][3];
         ddir[at] = dht * z;
       }
-#pragma unroll
-      for (int q = 0; q < G; ++q) a.dgates[row * GH + q * H + j0 + j] = d[q];
     }
     __syncthreads();
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
     float* recv_next = recv_s + cur * g.nc * g.bs * hs;
-    float* out = grid ? xchg(cur, rank) : nullptr;
+    float* part = grid ? xchg(cur, rank) : nullptr;
     matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, [&](int b, int k, float v) {
       if (grid) {
-        __stcg(out + static_cast<int64_t>(b) * H + k, v);
+        __stcg(part + static_cast<int64_t>(b) * H + k, v);
       } else {
         const int owner = k / hs;
         float* to = cluster ? cg::this_cluster().map_shared_rank(recv_next, owner) : recv_next;
         to[(rank * g.bs + b) * hs + (k - owner * hs)] = v;
       }
     });
-    bar();
-  }
-  for (int e = tid; e < bv * hv; e += kThreads) {
-    const int b = e / hv, j = e - b * hv, at = b * hs + j;
-    float dh = dh_s[at];
-    if (lens[b] > 0) {
-      float acc = 0.0f;
-      for (int q = 0; q < g.nc; ++q) acc += received(0, q, b, j);
-      dh = acc + ddir[at];
+    bar.arrive();
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      if (!live[i]) continue;
+      const int b = it.b[i], len = lens[b], t = g.reverse ? len - 1 - s : s;
+      const int64_t row = static_cast<int64_t>(b0 + b) * T + t, unit = j0 + it.j[i];
+#pragma unroll
+      for (int q = 0; q < G; ++q) a.dgates[row * GH + q * H + unit] = out[i][q];
+      if constexpr (C == Cell::kGRU) a.dgates_hn[row * H + unit] = out[i][3];
     }
+    prefetch(s - 2);
+    bar.wait();
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    const int b = it.b[i], j = it.j[i];
+    if (b < 0) continue;
+    const int at = b * hs + j;
+    const float dh = lens[b] > 0 ? received(0, b, j) + ddir[at] : dh_s[at];
     const int64_t o = static_cast<int64_t>(b0 + b) * H + j0 + j;
     a.dh0[o] = dh;
-    if (C == Cell::kLSTM) a.dc0[o] = dc_s[at];
+    if constexpr (C == Cell::kLSTM) a.dc0[o] = dc_s[at];
   }
 #endif
 }
