@@ -159,6 +159,15 @@ const void* backward_kernel(Cell c, Weights w, int bt);
 
 #if defined(__CUDACC__)
 
+// Phase timestamps of block 0, thread 0, for benchmarks/probe/step_timing.cu (compiled out otherwise).
+#ifdef VLSEQ_RNN_TIMING
+__device__ long long g_step_clock[2][8][4096];
+#define VLSEQ_MARK(dir, k, s) \
+  if (threadIdx.x == 0 && blockIdx.x == 0 && (s) < 4096) g_step_clock[dir][k][s] = clock64()
+#else
+#define VLSEQ_MARK(dir, k, s)
+#endif
+
 // Activations with the fast exponential and division: ~2e-7 absolute error, far inside the 1e-5
 // relative bar against float64, and a short dependency chain (the cell is on every step's path).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
@@ -423,6 +432,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   prefetch(1);
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
+    VLSEQ_MARK(0, 0, s);
     // Recurrent products: gates_s[b * R + r] = W_hh row r . h_{t-1} of sample b.
     if (grid) {
       const float* in = xchg(cur);
@@ -442,8 +452,10 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     }
+    VLSEQ_MARK(0, 1, s);
     cp_async_wait_all_but_one();
     __syncthreads();
+    VLSEQ_MARK(0, 2, s);
     // The cell, for this thread's (sample, unit) pairs still running. Outputs stay in registers
     // until the barrier has been arrived at.
     const float* xs = x_s + (s % kStages) * g.bs * R;
@@ -477,6 +489,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       }
     }
     __syncthreads();
+    VLSEQ_MARK(0, 3, s);
     // Publish this block's units of h (frozen samples too) to every block of the group: one row
     // (destination block, sample) per warp, units over the lanes.
     if (grid) {
@@ -491,7 +504,9 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
         for (int j = lane; j < hv; j += 32) to[b * Kp + j0 + j] = hown[b * hs + j];
       }
     }
+    VLSEQ_MARK(0, 4, s);
     bar.arrive();
+    VLSEQ_MARK(0, 5, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
@@ -503,7 +518,9 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
     }
     prefetch(s + 2);
+    VLSEQ_MARK(0, 6, s);
     bar.wait();
+    VLSEQ_MARK(0, 7, s);
   }
 #pragma unroll
   for (int i = 0; i < kMaxItems; ++i) {
@@ -626,8 +643,10 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   prefetch(smax - 2);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
+    VLSEQ_MARK(1, 0, s);
     cp_async_wait_all_but_one();
     __syncthreads();
+    VLSEQ_MARK(1, 1, s);
     const float* ps = pre + (s % kStages) * g.bs * F * hs;
     float out[kMaxItems][G + 1];
     bool live[kMaxItems];
@@ -672,6 +691,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
       }
     }
     __syncthreads();
+    VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
     float* recv_next = recv_s + cur * g.nc * g.bs * hs;
     float* part = grid ? xchg(cur, rank) : nullptr;
@@ -684,7 +704,9 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
         to[(rank * g.bs + b) * hs + (k - owner * hs)] = v;
       }
     });
+    VLSEQ_MARK(1, 3, s);
     bar.arrive();
+    VLSEQ_MARK(1, 4, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
@@ -695,7 +717,9 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
       if constexpr (C == Cell::kGRU) a.dgates_hn[row * H + unit] = out[i][3];
     }
     prefetch(s - 2);
+    VLSEQ_MARK(1, 5, s);
     bar.wait();
+    VLSEQ_MARK(1, 6, s);
   }
 #pragma unroll
   for (int i = 0; i < kMaxItems; ++i) {

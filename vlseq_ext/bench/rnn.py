@@ -96,11 +96,13 @@ def build(p: Point, method: str, device: torch.device) -> Tuple[Callable[[], Non
     dev_lens = lens.to(device)
     varlen = p.lengths != "uniform"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if p.precision == "bf16" else contextlib.nullcontext()
+    # Packed once, outside the graph (packing copies the sort order from the host, which a capture
+    # cannot): the same input preparation that our path's lengths tensor gets.
+    packed = pack_padded_sequence(x, lens, batch_first=True, enforce_sorted=False) if varlen else None
 
     def outputs():
         with amp:
             if method == "cudnn" and varlen:
-                packed = pack_padded_sequence(x, lens, batch_first=True, enforce_sorted=False)
                 out, _ = module(packed)
                 return out.data
             return module(x, lengths=dev_lens if varlen else None)[0]

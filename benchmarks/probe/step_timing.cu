@@ -1,0 +1,95 @@
+// Where one step of the persistent LSTM kernels spends its time: block 0's thread 0 stamps clock64()
+// at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
+// Usage: step_timing H B nc   (LSTM, fp32, 480 steps)
+#define VLSEQ_RNN_TIMING 1
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "rnn_kernels.cuh"
+
+using namespace vlseq::rnn;
+
+float* upload(size_t n, float scale) {
+  std::vector<float> h(n);
+  for (auto& v : h) v = scale * (2.0f * rand() / RAND_MAX - 1.0f);
+  float* d;
+  cudaMalloc(&d, n * 4);
+  cudaMemcpy(d, h.data(), n * 4, cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <typename K, typename A>
+void launch(K kernel, const A& args, int blocks, int nc, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute at = {};
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = nc, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+  cfg.attrs = &at;
+  cfg.numAttrs = nc > 1 ? 1 : 0;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  cudaEventRecord(a);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms;
+  cudaEventElapsedTime(&ms, a, b);
+  printf("  launch %s, %.3f ms\n", cudaGetErrorString(e == cudaSuccess ? cudaGetLastError() : e), ms);
+}
+
+void report(int dir, int phases, int T, const char* const* names) {
+  static long long clk[2][8][4096];
+  cudaMemcpyFromSymbol(clk, g_step_clock, sizeof(clk));
+  double sum[8] = {0};
+  int n = 0;
+  for (int s = 10; s < T - 10; ++s, ++n)
+    for (int k = 0; k < phases; ++k) {
+      long long next = k + 1 < phases ? clk[dir][k + 1][s] : clk[dir][0][dir == 0 ? s + 1 : s - 1];
+      sum[k] += static_cast<double>(next - clk[dir][k][s]);
+    }
+  double total = 0;
+  for (int k = 0; k < phases; ++k) total += sum[k] / n;
+  printf("  %s step: %.0f cycles (%.2f us at 1.98 GHz):", dir ? "backward" : "forward", total, total / 1980.0);
+  for (int k = 0; k < phases; ++k) printf(" %s %.0f", names[k], sum[k] / n);
+  printf("\n");
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IONBF, 0);
+  const int H = argc > 1 ? atoi(argv[1]) : 256, B = argc > 2 ? atoi(argv[2]) : 1, nc = argc > 3 ? atoi(argv[3]) : 16;
+  const int T = 480, G = 4, hs = (H + nc - 1) / nc;
+  printf("LSTM H=%d B=%d T=%d, %d blocks per group\n", H, B, T, nc);
+  Geometry g{B, T, H, nc, hs, B, B, nc > 1 ? Sync::kCluster : Sync::kLocal, 0};
+  std::vector<int64_t> lens(B, T);
+  int64_t* dlens;
+  cudaMalloc(&dlens, B * 8);
+  cudaMemcpy(dlens, lens.data(), B * 8, cudaMemcpyHostToDevice);
+  float *xp = upload((size_t)B * T * G * H, 1), *w = upload((size_t)G * H * H, 0.06f), *bias = upload(G * H, 0.1f);
+  float *h0 = upload(B * H, 0.5f), *c0 = upload(B * H, 0.5f);
+  float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
+  float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
+  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
+  ForwardArgs fa{g, xp, w, bias, h0, c0, dlens, y, hn, cn, saved, cs, nullptr, nullptr};
+  const int fsmem = ForwardSmem(g, G, 4, bt).total;
+  static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
+  static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
+  if (bt == 1) launch(rnn_forward_kernel<Cell::kLSTM, 1, float>, fa, nc, nc, fsmem);
+  else if (bt == 4) launch(rnn_forward_kernel<Cell::kLSTM, 4, float>, fa, nc, nc, fsmem);
+  else launch(rnn_forward_kernel<Cell::kLSTM, 8, float>, fa, nc, nc, fsmem);
+  report(0, 7, T, fnames);
+  float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
+  float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0);
+  BackwardArgs ba{g, w, y, saved, cs, h0, c0, dlens, dy, nullptr, nullptr, dgates, nullptr, dh0, dc0, nullptr, nullptr};
+  const int bsmem = BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total;
+  if (bt == 1) launch(rnn_backward_kernel<Cell::kLSTM, 1, float>, ba, nc, nc, bsmem);
+  else if (bt == 4) launch(rnn_backward_kernel<Cell::kLSTM, 4, float>, ba, nc, nc, bsmem);
+  else launch(rnn_backward_kernel<Cell::kLSTM, 8, float>, ba, nc, nc, bsmem);
+  report(1, 6, T, bnames);
+  return 0;
+}
