@@ -116,13 +116,12 @@ struct BackwardArgs {
 
 // Byte offsets into dynamic shared memory; the host sizes the launch with the same arithmetic.
 struct ForwardSmem {
-  int w, h, pub, gates, x, hown, cown, lens, total;
+  int w, h, gates, x, hown, cown, lens, total;
   __host__ __device__ ForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
     w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
-    h = off, off += round_up(g.chunk, bt) * Kp * 4;
-    pub = off, off += g.sync == Sync::kGrid ? 0 : round_up(2 * g.bs * g.hs * 4, 16);
+    h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
     x = off, off += round_up(kStages * g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -137,15 +136,13 @@ struct ForwardSmem {
 __host__ __device__ constexpr int backward_fields(Cell c) { return c == Cell::kLSTM ? 7 : 6; }
 
 struct BackwardSmem {
-  int wt, dg, part, recv, dh, dc, ddir, pre, lens, total;
+  int wt, dg, recv, dh, dc, ddir, pre, lens, total;
   __host__ __device__ BackwardSmem(const Geometry& g, int G, int wbytes, int bt, int F) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
-    const bool grid = g.sync == Sync::kGrid;
     int off = 0;
     wt = off, off += round_up(Kp * (Rp + 4) * wbytes, 16);
     dg = off, off += round_up(g.bs, bt) * Rp * 4;
-    part = off, off += grid ? 0 : 2 * g.bs * Kp * 4;
-    recv = off, off += grid ? 0 : round_up(g.nc * g.bs * g.hs * 4, 16);
+    recv = off, off += g.sync == Sync::kGrid ? 0 : 2 * g.nc * g.bs * g.hs * 4;
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -286,7 +283,7 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
       for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
     const WT* w0 = W + r0 * ldw;
     const float* v0 = v + b0 * ldv;
-#pragma unroll 4
+#pragma unroll 2
     for (int k4 = q; k4 < k4n; k4 += ks) {
       float4 w[kRowTile];
 #pragma unroll
@@ -336,13 +333,6 @@ struct Items {
   }
 };
 
-// The block of rank q in this block's cluster (itself outside clusters): where its shared-memory
-// buffer `local` lives as seen from here.
-template <typename T>
-__device__ __forceinline__ T* peer(T* local, int q, bool cluster) {
-  return cluster ? cg::this_cluster().map_shared_rank(local, q) : local;
-}
-
 template <Cell C, int BT, typename WT>
 __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -360,13 +350,13 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   extern __shared__ __align__(16) unsigned char smem[];
   const ForwardSmem lay(g, G, sizeof(WT), BT);
   WT* w_s = reinterpret_cast<WT*>(smem + lay.w);
-  float* h_s = reinterpret_cast<float*>(smem + lay.h);      // h_{t-1} of (a chunk of) the group's samples
-  float* pub = reinterpret_cast<float*>(smem + lay.pub);    // [parity][b][j]: this block's units of h
+  float* h_s = reinterpret_cast<float*>(smem + lay.h);
   float* gates_s = reinterpret_cast<float*>(smem + lay.gates);
   float* x_s = reinterpret_cast<float*>(smem + lay.x);
   float* hown = reinterpret_cast<float*>(smem + lay.hown);
   float* cown = reinterpret_cast<float*>(smem + lay.cown);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const int hbuf = round_up(g.chunk, BT) * Kp;  // floats per h buffer
   // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
   auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
 
@@ -383,15 +373,30 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   }
   for (int b = tid; b < g.bs; b += kThreads)
     lens[b] = b < bv ? static_cast<int>(clamp_length(a.lengths[b0 + b], T)) : 0;
-  for (int e = tid; e < round_up(g.chunk, BT) * Kp; e += kThreads) h_s[e] = 0.0f;  // padding stays zero
   for (int e = tid; e < g.bs * hs; e += kThreads) {
     const int b = e / hs, j = e - b * hs;
     const bool mine = b < bv && j < hv;
     const int64_t at = static_cast<int64_t>(b0 + b) * H + j0 + j;
     hown[e] = mine ? a.h0[at] : 0.0f;
     cown[e] = mine && C == Cell::kLSTM ? a.c0[at] : 0.0f;
-    if (!grid) pub[e] = hown[e];  // parity 0: h0
-    if (grid && mine) __stcg(xchg(0) + static_cast<int64_t>(b) * Kp + j0 + j, hown[e]);
+  }
+  if (!grid) {
+    // Buffer 0 = h0 of the group's samples; other entries zero. Later steps write only rows < bv,
+    // columns < H, which this set-up leaves to them.
+    for (int e = tid; e < 2 * hbuf; e += kThreads) {
+      const int buf = e / hbuf, rem = e - buf * hbuf, b = rem / Kp, k = rem - b * Kp;
+      if (buf == 0 && b < bv && k < H)
+        h_s[e] = a.h0[static_cast<int64_t>(b0 + b) * H + k];
+      else if (b >= bv || k >= H)
+        h_s[e] = 0.0f;
+    }
+  } else {
+    for (int e = tid; e < hbuf; e += kThreads) h_s[e] = 0.0f;
+    float* out = xchg(0);
+    for (int e = tid; e < bv * hv; e += kThreads) {
+      const int b = e / hv, j = e - b * hv;
+      __stcg(out + static_cast<int64_t>(b) * Kp + j0 + j, a.h0[static_cast<int64_t>(b0 + b) * H + j0 + j]);
+    }
   }
   const Items it(bv, hv);
   float bias[kMaxItems][G];
@@ -444,22 +449,15 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
         __syncthreads();
       }
     } else {
-      // Gather h_{t-1}: every block's units, read from its shared memory (written before the last
-      // barrier): one row (block, sample) per warp, units over the lanes.
-      for (int row = warp; row < g.nc * bv; row += kWarps) {
-        const int q = row / bv, b = row - q * bv, hq = min(hs, H - q * hs);
-        const float* src = peer(pub, q, cluster) + (cur * g.bs + b) * hs;
-        for (int j = lane; j < hq; j += 32) h_s[b * Kp + q * hs + j] = src[j];
-      }
-      __syncthreads();
-      matvec<BT>(w_s, ldw, R, Kp / 4, h_s, Kp, bv, ks, [&](int b, int r, float v) { gates_s[b * R + r] = v; });
+      matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
+                 [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     }
     VLSEQ_MARK(0, 1, s);
     cp_async_wait_all_but_one();
     __syncthreads();
     VLSEQ_MARK(0, 2, s);
-    // The cell, for this thread's (sample, unit) pairs; frozen samples republish their state.
-    // Outputs stay in registers until the barrier has been arrived at.
+    // The cell, for this thread's (sample, unit) pairs still running. Outputs stay in registers
+    // until the barrier has been arrived at.
     const float* xs = x_s + (s % kStages) * g.bs * R;
     float out[kMaxItems][6];
     bool live[kMaxItems];
@@ -467,37 +465,45 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
     for (int i = 0; i < kMaxItems; ++i) {
       const int b = it.b[i], j = it.j[i];
       live[i] = b >= 0 && s < lens[b];
-      if (b < 0) continue;
-      float h = hown[b * hs + j];
-      if (live[i]) {
-        const float* xb = xs + b * R + j;  // gate q at xb[q * hs]
-        const float* gb = gates_s + b * R + j;
-        if constexpr (C == Cell::kLSTM) {
-          const float ig = sigmoid(xb[0] + (gb[0] + bias[i][0]));
-          const float fg = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
-          const float gg = tanhf(xb[2 * hs] + (gb[2 * hs] + bias[i][2]));
-          const float og = sigmoid(xb[3 * hs] + (gb[3 * hs] + bias[i][3]));
-          const float c = fg * cown[b * hs + j] + ig * gg;
-          h = og * tanhf(c);
-          cown[b * hs + j] = c;
-          out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
-        } else {
-          const float ghn = gb[2 * hs] + bias[i][2];
-          const float r = sigmoid(xb[0] + (gb[0] + bias[i][0]));
-          const float z = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
-          const float n = tanhf(xb[2 * hs] + r * ghn);
-          h = (1.0f - z) * n + z * h;
-          out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
-        }
-        out[i][0] = h;
+      if (!live[i]) continue;
+      const float* xb = xs + b * R + j;  // gate q at xb[q * hs]
+      const float* gb = gates_s + b * R + j;
+      if constexpr (C == Cell::kLSTM) {
+        const float ig = sigmoid(xb[0] + (gb[0] + bias[i][0]));
+        const float fg = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
+        const float gg = tanhf(xb[2 * hs] + (gb[2 * hs] + bias[i][2]));
+        const float og = sigmoid(xb[3 * hs] + (gb[3 * hs] + bias[i][3]));
+        const float c = fg * cown[b * hs + j] + ig * gg;
+        const float h = og * tanhf(c);
+        cown[b * hs + j] = c;
         hown[b * hs + j] = h;
+        out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
+      } else {
+        const float ghn = gb[2 * hs] + bias[i][2];
+        const float r = sigmoid(xb[0] + (gb[0] + bias[i][0]));
+        const float z = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
+        const float n = tanhf(xb[2 * hs] + r * ghn);
+        const float h = (1.0f - z) * n + z * hown[b * hs + j];
+        hown[b * hs + j] = h;
+        out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
       }
-      if (grid)
-        __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h);
-      else
-        pub[((cur ^ 1) * g.bs + b) * hs + j] = h;
     }
+    __syncthreads();
     VLSEQ_MARK(0, 3, s);
+    // Publish this block's units of h (frozen samples too) to every block of the group: one row
+    // (destination block, sample) per warp, units over the lanes.
+    if (grid) {
+      float* dst = xchg(cur ^ 1);
+      for (int b = warp; b < bv; b += kWarps)
+        for (int j = lane; j < hv; j += 32) __stcg(dst + static_cast<int64_t>(b) * Kp + j0 + j, hown[b * hs + j]);
+    } else {
+      float* next = h_s + (cur ^ 1) * hbuf;
+      for (int row = warp; row < g.nc * bv; row += kWarps) {
+        const int dst = row / bv, b = row - dst * bv;
+        float* to = cluster ? cg::this_cluster().map_shared_rank(next, dst) : next;
+        for (int j = lane; j < hv; j += 32) to[b * Kp + j0 + j] = hown[b * hs + j];
+      }
+    }
     VLSEQ_MARK(0, 4, s);
     bar.arrive();
     VLSEQ_MARK(0, 5, s);
@@ -546,14 +552,13 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   const BackwardSmem lay(g, G, sizeof(WT), BT, F);
   WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
-  float* part = reinterpret_cast<float*>(smem + lay.part);  // [parity][b][k]: this block's partial dh
-  float* recv = reinterpret_cast<float*>(smem + lay.recv);  // [q][b][j]: block q's partials of own units
+  float* recv_s = reinterpret_cast<float*>(smem + lay.recv);
   float* dh_s = reinterpret_cast<float*>(smem + lay.dh);
   float* dc_s = reinterpret_cast<float*>(smem + lay.dc);
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
   float* pre = reinterpret_cast<float*>(smem + lay.pre);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  // kGrid: block q's partial dh of every unit, exchanged at a step of parity `parity`.
+  // Partial dh of unit j0 + j of sample b from block q, exchanged at a step of parity `parity`.
   auto xchg = [&](int parity, int q) {
     return a.xchg + ((static_cast<int64_t>(parity) * groups + group) * g.nc + q) * g.bs * H;
   };
@@ -586,25 +591,18 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   bar.arrive();
   bar.wait();
 
-  // recv <- every block's partials of this block's units, from the step of parity `parity`
-  // (written before the last barrier): one row (block, sample) per warp, units over the lanes.
-  auto gather = [&](int parity) {
-    for (int row = warp; row < g.nc * bv; row += kWarps) {
-      const int q = row / bv, b = row - q * bv;
-      const float* src = peer(part, q, cluster) + (parity * g.bs + b) * Kp + j0;
-      for (int j = lane; j < hv; j += 32) recv[(q * g.bs + b) * hs + j] = src[j];
-    }
-  };
-  // The sum, in rank order, of the partial dh that every block computed for pair (b, j).
+  // The sum, in rank order, of the partial dh that every block delivered for pair (b, j) at a
+  // step of parity `parity`.
   auto received = [&](int parity, int b, int j) {
     float acc = 0.0f;
     if (grid) {
-      const float* src = xchg(parity, 0) + static_cast<int64_t>(b) * H + j0 + j;
+      const float* src = a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.nc * g.bs * H +
+                         static_cast<int64_t>(b) * H + j0 + j;
       const int64_t stride = static_cast<int64_t>(g.bs) * H;
 #pragma unroll 8
       for (int q = 0; q < g.nc; ++q) acc += __ldcg(src + q * stride);
     } else {
-      const float* src = recv + b * hs + j;
+      const float* src = recv_s + (parity * g.nc * g.bs + b) * hs + j;
 #pragma unroll 8
       for (int q = 0; q < g.nc; ++q) acc += src[q * g.bs * hs];
     }
@@ -646,7 +644,6 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
     VLSEQ_MARK(1, 0, s);
-    if (!grid && s + 1 < smax) gather(cur ^ 1);
     cp_async_wait_all_but_one();
     __syncthreads();
     VLSEQ_MARK(1, 1, s);
@@ -695,14 +692,17 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     }
     __syncthreads();
     VLSEQ_MARK(1, 2, s);
-    // Partial dh_{t-1} over this block's rows, for every unit: kept in this block's memory for the
-    // owners to read after the barrier (kGrid: in global memory).
-    float* mine = grid ? xchg(cur, rank) : part + cur * g.bs * Kp;
+    // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
+    float* recv_next = recv_s + cur * g.nc * g.bs * hs;
+    float* part = grid ? xchg(cur, rank) : nullptr;
     matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, [&](int b, int k, float v) {
-      if (grid)
-        __stcg(mine + static_cast<int64_t>(b) * H + k, v);
-      else
-        mine[b * Kp + k] = v;
+      if (grid) {
+        __stcg(part + static_cast<int64_t>(b) * H + k, v);
+      } else {
+        const int owner = k / hs;
+        float* to = cluster ? cg::this_cluster().map_shared_rank(recv_next, owner) : recv_next;
+        to[(rank * g.bs + b) * hs + (k - owner * hs)] = v;
+      }
     });
     VLSEQ_MARK(1, 3, s);
     bar.arrive();
@@ -720,14 +720,6 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     VLSEQ_MARK(1, 5, s);
     bar.wait();
     VLSEQ_MARK(1, 6, s);
-  }
-  if (!grid && smax > 0) gather(0);
-  // The barrier also keeps every block's shared memory alive until its peers have gathered from it.
-  if (cluster) {
-    bar.arrive();
-    bar.wait();
-  } else {
-    __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < kMaxItems; ++i) {
