@@ -60,8 +60,6 @@ constexpr int kWarps = kThreads / 32;
 // (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
-// Step inputs are prefetched two steps ahead (cp.async), into one of three buffers.
-constexpr int kStages = 3;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -116,14 +114,13 @@ struct BackwardArgs {
 
 // Byte offsets into dynamic shared memory; the host sizes the launch with the same arithmetic.
 struct ForwardSmem {
-  int w, h, gates, x, hown, cown, lens, total;
+  int w, h, gates, hown, cown, lens, total;
   __host__ __device__ ForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
     w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
     h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
-    x = off, off += round_up(kStages * g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
     cown = off, off += round_up(g.bs * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
@@ -136,7 +133,7 @@ struct ForwardSmem {
 __host__ __device__ constexpr int backward_fields(Cell c) { return c == Cell::kLSTM ? 7 : 6; }
 
 struct BackwardSmem {
-  int wt, dg, recv, dh, dc, ddir, pre, lens, total;
+  int wt, dg, recv, dh, dc, ddir, lens, total;
   __host__ __device__ BackwardSmem(const Geometry& g, int G, int wbytes, int bt, int F) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
     int off = 0;
@@ -146,7 +143,6 @@ struct BackwardSmem {
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
-    pre = off, off += round_up(kStages * g.bs * F * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -189,15 +185,6 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
   return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
                      __uint_as_float(u.y & 0xffff0000u));
 }
-
-// 4-byte asynchronous copy global -> shared: a later step's inputs load while this step runs.
-__device__ __forceinline__ void cp_async4(float* dst, const float* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits for every group but the newest (issued for the step after next).
-__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -352,7 +339,6 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   WT* w_s = reinterpret_cast<WT*>(smem + lay.w);
   float* h_s = reinterpret_cast<float*>(smem + lay.h);
   float* gates_s = reinterpret_cast<float*>(smem + lay.gates);
-  float* x_s = reinterpret_cast<float*>(smem + lay.x);
   float* hown = reinterpret_cast<float*>(smem + lay.hown);
   float* cown = reinterpret_cast<float*>(smem + lay.cown);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
@@ -411,27 +397,32 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   bar.arrive();
   bar.wait();
 
-  // Step s's input projections of this block's units, into x_s[s % kStages]: one row (sample,
-  // gate) per warp, units over the lanes.
+  // The input projections of this thread's pairs, loaded one step ahead into registers (their
+  // latency hides behind the barrier and the next products). xrow: sample b's row at unit j.
+  const float* xrow[kMaxItems];
+  float xnext[kMaxItems][G];
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i)
+    xrow[i] = it.b[i] >= 0 ? a.xproj + static_cast<int64_t>(b0 + it.b[i]) * T * GH + j0 + it.j[i] : nullptr;
   auto prefetch = [&](int s) {
-    if (s < smax) {
-      float* dst = x_s + (s % kStages) * g.bs * R;
-      for (int row = warp; row < bv * G; row += kWarps) {
-        const int b = row / G, q = row - b * G, len = lens[b];
-        if (s >= len) continue;
-        const int t = g.reverse ? len - 1 - s : s;
-        const float* src = a.xproj + (static_cast<int64_t>(b0 + b) * T + t) * GH + q * H + j0;
-        for (int j = lane; j < hv; j += 32) cp_async4(dst + (b * G + q) * hs + j, src + j);
-      }
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      if (it.b[i] < 0 || s >= lens[it.b[i]]) continue;
+      const int len = lens[it.b[i]], t = g.reverse ? len - 1 - s : s;
+#pragma unroll
+      for (int q = 0; q < G; ++q) xnext[i][q] = __ldg(xrow[i] + static_cast<int64_t>(t) * GH + q * H);
     }
-    cp_async_commit();  // empty groups too: the wait below counts groups
   };
 
   const int ks = split_lanes(R, grid ? g.chunk : bv, BT, Kp / 4);
   prefetch(0);
-  prefetch(1);
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
+    float x[kMaxItems][G];
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i)
+#pragma unroll
+      for (int q = 0; q < G; ++q) x[i][q] = xnext[i][q];
     VLSEQ_MARK(0, 0, s);
     // Recurrent products: gates_s[b * R + r] = W_hh row r . h_{t-1} of sample b.
     if (grid) {
@@ -453,12 +444,10 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     }
     VLSEQ_MARK(0, 1, s);
-    cp_async_wait_all_but_one();
     __syncthreads();
     VLSEQ_MARK(0, 2, s);
     // The cell, for this thread's (sample, unit) pairs still running. Outputs stay in registers
     // until the barrier has been arrived at.
-    const float* xs = x_s + (s % kStages) * g.bs * R;
     float out[kMaxItems][6];
     bool live[kMaxItems];
 #pragma unroll
@@ -466,13 +455,12 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       const int b = it.b[i], j = it.j[i];
       live[i] = b >= 0 && s < lens[b];
       if (!live[i]) continue;
-      const float* xb = xs + b * R + j;  // gate q at xb[q * hs]
-      const float* gb = gates_s + b * R + j;
+      const float* gb = gates_s + b * R + j;  // gate q at gb[q * hs]
       if constexpr (C == Cell::kLSTM) {
-        const float ig = sigmoid(xb[0] + (gb[0] + bias[i][0]));
-        const float fg = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
-        const float gg = tanhf(xb[2 * hs] + (gb[2 * hs] + bias[i][2]));
-        const float og = sigmoid(xb[3 * hs] + (gb[3 * hs] + bias[i][3]));
+        const float ig = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
+        const float fg = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
+        const float gg = tanhf(x[i][2] + (gb[2 * hs] + bias[i][2]));
+        const float og = sigmoid(x[i][3] + (gb[3 * hs] + bias[i][3]));
         const float c = fg * cown[b * hs + j] + ig * gg;
         const float h = og * tanhf(c);
         cown[b * hs + j] = c;
@@ -480,9 +468,9 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
         out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
       } else {
         const float ghn = gb[2 * hs] + bias[i][2];
-        const float r = sigmoid(xb[0] + (gb[0] + bias[i][0]));
-        const float z = sigmoid(xb[hs] + (gb[hs] + bias[i][1]));
-        const float n = tanhf(xb[2 * hs] + r * ghn);
+        const float r = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
+        const float z = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
+        const float n = tanhf(x[i][2] + r * ghn);
         const float h = (1.0f - z) * n + z * hown[b * hs + j];
         hown[b * hs + j] = h;
         out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
@@ -517,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       sv[0] = out[i][1], sv[H] = out[i][2], sv[2 * H] = out[i][3], sv[3 * H] = out[i][4];
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
     }
-    prefetch(s + 2);
+    prefetch(s + 1);
     VLSEQ_MARK(0, 6, s);
     bar.wait();
     VLSEQ_MARK(0, 7, s);
@@ -556,7 +544,6 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   float* dh_s = reinterpret_cast<float*>(smem + lay.dh);
   float* dc_s = reinterpret_cast<float*>(smem + lay.dc);
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
-  float* pre = reinterpret_cast<float*>(smem + lay.pre);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   // Partial dh of unit j0 + j of sample b from block q, exchanged at a step of parity `parity`.
   auto xchg = [&](int parity, int q) {
@@ -609,45 +596,40 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     return acc;
   };
 
-  // What step s reads per (sample, unit), into pre[s % kStages]: one row (sample, field) per warp.
+  // What step s reads for this thread's pairs, loaded one step ahead into registers: LSTM i, f, g,
+  // o, c_t, c_{t-1}, dy; GRU r, z, n, W_hn h + b_hn, h_{t-1}, dy.
+  float pnext[kMaxItems][F];
   auto prefetch = [&](int s) {
-    if (s >= 0) {
-      float* dst = pre + (s % kStages) * g.bs * F * hs;
-      for (int row = warp; row < bv * F; row += kWarps) {
-        const int b = row / F, f = row - b * F, len = lens[b];
-        if (s >= len) continue;
-        const int t = g.reverse ? len - 1 - s : s;
-        const int tp = g.reverse ? len - s : s - 1;  // the step before (s > 0)
-        const int64_t at = static_cast<int64_t>(b0 + b) * T + t, prev = static_cast<int64_t>(b0 + b) * T + tp;
-        const float* src;
-        if (f < 4) {
-          src = a.saved + at * 4 * H + f * H;
-        } else if (f == F - 1) {
-          if (!a.dy) continue;
-          src = a.dy + at * H;
-        } else if (C == Cell::kLSTM && f == 4) {
-          src = a.cs + at * H;
-        } else if (C == Cell::kLSTM) {  // c_{t-1}
-          src = s > 0 ? a.cs + prev * H : a.c0 + static_cast<int64_t>(b0 + b) * H;
-        } else {  // GRU h_{t-1}
-          src = s > 0 ? a.y + prev * H : a.h0 + static_cast<int64_t>(b0 + b) * H;
-        }
-        for (int j = lane; j < hv; j += 32) cp_async4(dst + (b * F + f) * hs + j, src + j0 + j);
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i) {
+      if (s < 0 || it.b[i] < 0 || s >= lens[it.b[i]]) continue;
+      const int b = it.b[i], len = lens[b];
+      const int t = g.reverse ? len - 1 - s : s, tp = g.reverse ? len - s : s - 1;  // tp: the step before
+      const int64_t first = static_cast<int64_t>(b0 + b) * T, unit = j0 + it.j[i];
+      const int64_t at = first + t, prev = first + tp;
+#pragma unroll
+      for (int f = 0; f < 4; ++f) pnext[i][f] = __ldg(a.saved + at * 4 * H + f * H + unit);
+      if constexpr (C == Cell::kLSTM) {
+        pnext[i][4] = __ldg(a.cs + at * H + unit);
+        pnext[i][5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + static_cast<int64_t>(b0 + b) * H + unit);
+      } else {
+        pnext[i][4] = s > 0 ? __ldg(a.y + prev * H + unit) : __ldg(a.h0 + static_cast<int64_t>(b0 + b) * H + unit);
       }
+      pnext[i][F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
     }
-    cp_async_commit();
   };
 
   const int ks = split_lanes(H, bv, BT, Rp / 4);
   prefetch(smax - 1);
-  prefetch(smax - 2);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
+    float p[kMaxItems][F];
+#pragma unroll
+    for (int i = 0; i < kMaxItems; ++i)
+#pragma unroll
+      for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
     VLSEQ_MARK(1, 0, s);
-    cp_async_wait_all_but_one();
-    __syncthreads();
     VLSEQ_MARK(1, 1, s);
-    const float* ps = pre + (s % kStages) * g.bs * F * hs;
     float out[kMaxItems][G + 1];
     bool live[kMaxItems];
 #pragma unroll
@@ -666,10 +648,9 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
         continue;
       }
       live[i] = true;
-      const float* p = ps + b * F * hs + j;  // field f at p[f * hs]
-      const float dht = dhc + (a.dy ? p[(F - 1) * hs] : 0.0f);
+      const float dht = dhc + p[i][F - 1];
       if constexpr (C == Cell::kLSTM) {
-        const float ig = p[0], fg = p[hs], gg = p[2 * hs], og = p[3 * hs], ct = p[4 * hs], cp = p[5 * hs];
+        const float ig = p[i][0], fg = p[i][1], gg = p[i][2], og = p[i][3], ct = p[i][4], cp = p[i][5];
         const float tc = tanhf(ct);
         const float dct = dc_s[at] + dht * og * (1.0f - tc * tc);
         out[i][0] = dct * gg * ig * (1.0f - ig);
@@ -680,7 +661,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
 #pragma unroll
         for (int q = 0; q < G; ++q) dgb[q * hs] = out[i][q];
       } else {
-        const float r = p[0], z = p[hs], n = p[2 * hs], ghn = p[3 * hs], hp = p[4 * hs];
+        const float r = p[i][0], z = p[i][1], n = p[i][2], ghn = p[i][3], hp = p[i][4];
         const float dn = dht * (1.0f - z) * (1.0f - n * n);
         out[i][0] = dn * ghn * r * (1.0f - r);
         out[i][1] = dht * (hp - n) * z * (1.0f - z);
@@ -716,7 +697,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
       for (int q = 0; q < G; ++q) a.dgates[row * GH + q * H + unit] = out[i][q];
       if constexpr (C == Cell::kGRU) a.dgates_hn[row * H + unit] = out[i][3];
     }
-    prefetch(s - 2);
+    prefetch(s - 1);
     VLSEQ_MARK(1, 5, s);
     bar.wait();
     VLSEQ_MARK(1, 6, s);
