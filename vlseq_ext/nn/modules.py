@@ -23,9 +23,10 @@ from . import functional
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
 KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
-# At and below this width cuDNN runs its own persistent kernel for unpadded float32 input
-# (PERSIST_STATIC_SMALL_H), so "auto" leaves such calls to it. BENCHMARKS.md (rnn suite) has the
-# measurements behind the rule.
+# "auto", from the rnn bench on an H200 (BENCHMARKS.md): at and below this width cuDNN runs its own
+# persistent kernel for unpadded float32 input (PERSIST_STATIC_SMALL_H) and is faster than ours, so
+# such calls stay with cuDNN; and layers too large for a thread-block cluster (the grid layout,
+# fp32 LSTM hidden >= 512) measured slower than cuDNN, so they stay with cuDNN too.
 AUTO_CUDNN_MAX_HIDDEN = 128
 
 
@@ -79,13 +80,17 @@ class _KernelRNN:
             return f"a {cell} of hidden size {self.hidden_size} does not fit the kernels on {x.device}"
         return None
 
-    def _fits(self, cell: str, batch: int, device: torch.device) -> bool:
+    def _plan(self, batch: int, device: torch.device) -> str:
         # Cached per module: rnn_plan is cached in C++ too, but each call allocates a tensor.
-        cache = self.__dict__.setdefault("_vlseq_fits", {})
+        cache = self.__dict__.setdefault("_vlseq_plans", {})
+        cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
         key = (cell, self.hidden_size, batch, str(device))
         if key not in cache:
-            cache[key] = bool(ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device))
+            cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device)
         return cache[key]
+
+    def _fits(self, cell: str, batch: int, device: torch.device) -> bool:
+        return bool(self._plan(batch, device))
 
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
@@ -97,8 +102,11 @@ class _KernelRNN:
             if self.kernels == "vlseq":
                 _warn_once(reason)
             return False
-        if self.kernels == "auto" and not padded and self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN:
-            return False
+        if self.kernels == "auto":
+            if not padded and self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN:
+                return False
+            if x.is_cuda and self._plan(batch, x.device).startswith("grid"):
+                return False
         return True
 
     def _run(self, input, hx=None, lengths=None):
@@ -181,10 +189,10 @@ class _KernelRNN:
         return super().forward(packed, hx)  # type: ignore[misc]
 
     def _run_packed(self, packed: PackedSequence, hx):
+        if not self.uses_kernels(packed.data, int(packed.batch_sizes[0]), True):
+            return self._packed_torch(packed, hx)
         x, lengths = pad_packed_sequence(packed, batch_first=True)  # original batch order
         B = x.shape[0]
-        if not self.uses_kernels(x, B, True):
-            return self._packed_torch(packed, hx)
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
         out, h_n, c_n = functional.rnn(self, x, steps, hx)
@@ -201,8 +209,9 @@ class LSTM(_KernelRNN, nn.LSTM):
     """nn.LSTM on the persistent kernels. forward(input, hx=None, lengths=None) -> (output, (h_n, c_n)).
 
     `kernels`: "vlseq" (default: the kernels wherever they can run, a one-time warning where they
-    cannot), "auto" (the kernels where the rnn bench measured them faster than cuDNN: every padded
-    or packed batch, and widths above 128), "cudnn" (torch's own). Settable at any time."""
+    cannot), "auto" (the kernels where the rnn bench measured them faster than cuDNN: layers that
+    fit a thread-block cluster, unless the input is unpadded and hidden <= 128), "cudnn" (torch's
+    own). Settable at any time."""
 
     def __init__(self, *args, kernels: str = "vlseq", **kwargs) -> None:
         super().__init__(*args, **kwargs)
