@@ -254,3 +254,30 @@ def test_packed_input_returns_torchs_packing(rand):
     assert torch.equal(out.sorted_indices, want.sorted_indices)
     torch.testing.assert_close(out.data, want.data, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(h, wh, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rnn,bidirectional", [("lstm", False), ("gru", True)])
+def test_seq_model_on_the_kernels_equals_samples_alone(rand, rnn, bidirectional):
+    """SeqModel's padded path (the trainer's padded graphs) and its one-sample path run on the kernels
+    and give, value and gradient, what float64 gives each sample alone."""
+    from vlseq_ext import SeqModel
+    torch.manual_seed(rand.seed % 2**31)
+    model = SeqModel(36, 256, 3, num_layers=2, rnn=rnn, bidirectional=bidirectional).to(DEV)
+    lengths = random_lengths(rand, 6, 1, 70)
+    xs = [rand.randn(n, 36, device=DEV) for n in lengths]
+    x = torch.zeros(len(xs), max(lengths), 36, device=DEV)
+    for i, s in enumerate(xs):
+        x[i, :len(s)] = s
+    assert model.recurrent.uses_kernels(x, len(xs), padded=False)
+    padded = model.forward_padded(x, torch.tensor(lengths, device=DEV))
+    grads = torch.autograd.grad(padded.square().sum(), list(model.parameters()))
+    ref = copy.deepcopy(model).double().cpu()
+    ref.recurrent.kernels = "cudnn"
+    alone = torch.cat([ref(s.double().cpu()) for s in xs])
+    ref_grads = torch.autograd.grad(alone.square().sum(), list(ref.parameters()))
+    torch.testing.assert_close(padded.double().cpu(), alone, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        err = ((g.double().cpu() - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, err
+    one = torch.cat([model(s) for s in xs])  # batch-1 calls, as the trainer's one-sample graphs make them
+    torch.testing.assert_close(one.double().cpu(), alone, rtol=1e-5, atol=1e-6)
