@@ -70,18 +70,23 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 }
 
 // Clocks of one forward step (the backward step moves the same bytes): shared-memory reads of W
-// at 128 B/clock, FMAs at 128/clock, the exchange and the barrier. Constants from the H200 runs.
+// at 128 B/clock or FMAs at 128/clock, the cell, the exchange and the barrier. The exchange terms
+// are fitted to the step timings of benchmarks/probe/step_timing.cu on an H200 (cluster of 16,
+// hidden 256: about 2,750 clocks plus 1,400 per sample of the block, most of it the stores into
+// the peers and the release that waits for them), so more groups with fewer samples each win
+// while they fit on the GPU at once.
 double step_clocks(Sync sync, int G, int hs, int H, int bs, int nc, int groups, int wbytes) {
   const double R = G * hs, K = round_up(H, 4);
   const double products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
-  double exchange = 100.0;
-  if (sync == Sync::kCluster) exchange = 600.0 + 20.0 * nc + bs * H / 32.0;
+  const double cell = 550.0;
+  double exchange = 300.0 + 150.0 * bs;
+  if (sync == Sync::kCluster) exchange = 1200.0 + bs * (400.0 + 60.0 * nc);
   if (sync == Sync::kGrid) {
     // every block reads every sample's h and writes/reads partials: total L2 bytes over ~2.9 KB/clock
     const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
     exchange = 2500.0 + bytes / 2900.0;
   }
-  return products + exchange;
+  return products + cell + exchange;
 }
 
 struct Cost {
