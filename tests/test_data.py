@@ -11,8 +11,8 @@ import torch
 
 from vlseq_ext import data
 from vlseq_ext.data import DataError
-from vlseq_ext import samplers
-from vlseq_ext.samplers import LengthBucketSampler
+from vlseq_ext.data import samplers
+from vlseq_ext.data.samplers import LengthBucketSampler
 
 HAS_AEON = importlib.util.find_spec("aeon") is not None
 needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")

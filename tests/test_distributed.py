@@ -397,7 +397,7 @@ def test_nccl_two_processes_match_one_process_on_two_gpus(tmp_path):
 
 
 def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
-    from vlseq_ext.scheduling import lpt_shard
+    from vlseq_ext.training.scheduling import lpt_shard
 
     rng = np.random.default_rng(0)
     for n in (12, 11, 5, 1):
@@ -414,8 +414,8 @@ def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
 
 
 def test_distributed_sampler_uses_every_sample_once_per_epoch():
-    from vlseq_ext.samplers import LengthBucketSampler
-    from vlseq_ext.samplers import DistributedLengthSampler
+    from vlseq_ext.data.samplers import LengthBucketSampler
+    from vlseq_ext.data.samplers import DistributedLengthSampler
 
     lengths = np.random.default_rng(1).integers(5, 300, 101)
     samplers = [DistributedLengthSampler(lengths, 2, 2, r, 3, seed=4, bucket_batches=3) for r in range(3)]
@@ -436,8 +436,8 @@ def test_distributed_sampler_uses_every_sample_once_per_epoch():
 
 
 def test_sampler_state_resumes_with_another_step_size():
-    from vlseq_ext.samplers import LengthBucketSampler
-    from vlseq_ext.samplers import DistributedLengthSampler
+    from vlseq_ext.data.samplers import LengthBucketSampler
+    from vlseq_ext.data.samplers import DistributedLengthSampler
 
     lengths = np.random.default_rng(2).integers(5, 300, 57)
     a = DistributedLengthSampler(lengths, 2, 1, 0, 2, seed=1)  # global steps of 4
@@ -486,7 +486,7 @@ def test_single_process_configuration(monkeypatch):
     with pytest.raises(distributed.DistributedError, match="RANK, MASTER_ADDR, MASTER_PORT not set"):
         distributed.init_from_env("gloo")
     from vlseq_ext.devices import local_share
-    from vlseq_ext.scheduling import sample_length
+    from vlseq_ext.training.scheduling import sample_length
 
     assert local_share() is None  # one process per machine: every GPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
-from vlseq_ext.samplers import DistributedLengthSampler, LengthBucketSampler
-from vlseq_ext.loop import Callback, IterableBatches, OrderedBatches, TrainingLoop, fit
-from vlseq_ext.scheduling import lpt_shard
+from vlseq_ext.data.samplers import DistributedLengthSampler, LengthBucketSampler
+from vlseq_ext.training.loop import Callback, IterableBatches, OrderedBatches, TrainingLoop, fit
+from vlseq_ext.training.scheduling import lpt_shard
 
 
 class FakeTrainer:

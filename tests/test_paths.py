@@ -341,7 +341,7 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
 
 
 def test_slow_plan_note_names_wide_one_sample_models_only():
-    from vlseq_ext.execution import slow_plan_note
+    from vlseq_ext.training.execution import slow_plan_note
     wide, narrow = OneSampleLSTM(hidden=256), OneSampleLSTM(hidden=64)
     note = slow_plan_note("per_sample", wide, 32, "auto", True)
     assert "recurrent width is 256" in note and "forward_padded" in note and "32 samples per GPU" in note

@@ -12,7 +12,7 @@ from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
 from vlseq_ext.devices import parse_devices
-from vlseq_ext.scheduling import assign_lpt
+from vlseq_ext.training.scheduling import assign_lpt
 
 requires_2gpu = pytest.mark.requires_2gpu  # skip logic in conftest.py
 

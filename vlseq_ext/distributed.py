@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .scheduling import lpt_shard
+from .training.scheduling import lpt_shard
 
 __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "DistributedError", "env_world_size", "timeout_from_env",
            "init_from_env", "start_from_env", "rank_and_world", "CrossProcessMerge"]

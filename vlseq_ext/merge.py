@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, List, Sequence
 
 from . import ops
-from .replicas import ReplicaSet
-from .scheduling import lpt_shard
+from .training.replicas import ReplicaSet
+from .training.scheduling import lpt_shard
 
 __all__ = ["LocalMerge", "CrossProcessMerge", "make_merge"]
 

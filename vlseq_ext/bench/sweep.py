@@ -88,7 +88,7 @@ def _per_sample_step(model: nn.Module, opt: torch.optim.Optimizer, feed: Feeder,
 def point_trainer(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], fused: bool,
                   process_group: Any = None) -> Any:
     """Our trainer as the sweep runs it at a point (also what diag.limits profiles)."""
-    from ..trainer import ParallelTrainer
+    from ..training.trainer import ParallelTrainer
     model = make_model(spec, form).to(devices[0])
     return ParallelTrainer(model, _adam(model, fused), nn.MSELoss(), devices=[str(d) for d in devices],
                            samples_per_device=k, reduction="sum", cuda_graphs=True, pack="auto",

@@ -19,10 +19,10 @@ from .. import distributed
 from ..checkpoint import CHECKPOINT_NAME, FORMAT, CheckpointWriteError, build_model, capture_rng_state, \
     restore_rng_state, save_checkpoint
 from ..data import DataError, RaggedDataset, open_dataset, split
-from ..samplers import DistributedLengthSampler
+from ..data.samplers import DistributedLengthSampler
 from ..devices import parse_devices
-from ..loop import TrainingLoop
-from ..trainer import ParallelTrainer
+from ..training.loop import TrainingLoop
+from ..training.trainer import ParallelTrainer
 from .checks import CLIError, check_model_size, missing_dirs, remove_empty_dirs
 from .config import NOT_SAVED, PROG, __version__
 from .reporting import RunState

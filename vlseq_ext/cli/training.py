@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..loop import Callback, TrainingLoop
+from ..training.loop import Callback, TrainingLoop
 from .config import PROG
 from .checks import CLIError
 from .reporting import Reporter, format_summary, matplotlib_available, num, open_metrics_file, plural, \

@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import ops
+from .. import ops
 
 __all__ = ["Lane", "ReplicaSet", "GradientMerger", "check_param_lists"]
 

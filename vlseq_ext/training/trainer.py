@@ -24,13 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from . import loop
-from .devices import parse_devices
+from ..devices import parse_devices
 from .execution import DeviceRunner
 from .graphs import padded_length
 from .guard import StepGuard
 from .inputs import check_lengths, check_samples, check_targets, check_trainer_options, model_input_dim
 from .losses import PerSampleLoss, loss_precision, stack_targets
-from .merge import make_merge
+from ..merge import make_merge
 from .replicas import ReplicaSet
 from .scheduling import assign_lpt
 from .workers import DeviceWorkers

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 from torch.utils.data import Sampler
 
-from .scheduling import lpt_shard
+from ..training.scheduling import lpt_shard
 
 __all__ = ["LengthBucketSampler", "DistributedLengthSampler"]
 
