@@ -22,12 +22,9 @@ the plot and checkpoints. Checkpoints resume on any world size.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import torch
 
 from .. import distributed
 from ..data import DataError
@@ -59,32 +56,29 @@ def _resolve_and_lock(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optiona
     return cfg, ckpt, lock
 
 
-def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]],
-                                                          Optional[RunFolderLock]]:
+def resolve_everywhere(args: argparse.Namespace, group: distributed.ProcessGroup) -> Tuple[
+        Dict[str, Any], Optional[Dict[str, Any]], Optional[RunFolderLock]]:
     """resolve_config, then the run folder's lock (the caller releases it); [distributed] on rank 0
     only, which sends the configuration and the resumed checkpoint to the others, so every rank
     trains the same run and only rank 0 needs the files (and holds the lock)."""
-    rank, world = distributed.rank_and_world()
-    if world == 1:
+    if group.world_size == 1:
         return _resolve_and_lock(args)
-    payload: List[Any] = [None]
+    payload: Any = None
     lock: Optional[RunFolderLock] = None
-    if rank == 0:
+    if group.rank == 0:
         try:
             cfg, ckpt, lock = _resolve_and_lock(args)
-            payload = [("ok", (cfg, ckpt))]
+            payload = ("ok", (cfg, ckpt))
         except (DataError, CLIError) as exc:
-            payload = [("error", str(exc))]
+            payload = ("error", str(exc))
     try:
-        torch.distributed.broadcast_object_list(payload, src=0)
-    except Exception as exc:
+        kind, value = group.broadcast_object(payload)
+    except DistributedError:
         if lock is not None:
             lock.release()
-        raise DistributedError(f"rank {rank}: could not receive the configuration from rank 0: "
-                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
-    kind, value = payload[0]
+        raise
     if kind == "error":
-        if rank == 0:
+        if group.rank == 0:
             raise CLIError(value)
         raise _PeerFailed(value)
     return (*value, lock)
@@ -93,17 +87,16 @@ def resolve_everywhere(args: argparse.Namespace) -> Tuple[Dict[str, Any], Option
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """vlseq-train; returns the exit code."""
     args = build_parser().parse_args(argv)
-    started = False
+    group: distributed.ProcessGroup = distributed.ProcessGroup()
     lock: Optional[RunFolderLock] = None
     try:
-        started = distributed.start_from_env()
+        group = distributed.start()
         with one_line_warnings(PROG):
-            cfg, ckpt, lock = resolve_everywhere(args)
+            cfg, ckpt, lock = resolve_everywhere(args, group)
             with deterministic_mode(bool(cfg["deterministic"])), cpu_threads():
-                return train(cfg, ckpt)
+                return train(cfg, ckpt, group)
     except (DataError, CLIError) as exc:
-        rank = distributed.rank_and_world()[0]
-        print(f"{PROG}: {f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr)
+        print(f"{PROG}: {f'[rank {group.rank}] ' if group.rank else ''}error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except _PeerFailed:
         return EXIT_USAGE
@@ -116,9 +109,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-        if started and torch.distributed.is_initialized():
-            gc.collect()  # the finished run's trainer first (see distributed._close_at_exit), then the group
-            torch.distributed.destroy_process_group()
+        group.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -69,9 +69,8 @@ def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 25
     """Mean per-sample loss (and accuracy for classification) of the master model on a held-out split.
     [distributed] Every rank evaluates every world_size-th sample; one sum across ranks."""
     order = np.argsort(-val.lengths, kind="stable")  # similar lengths together: cheaper packed batches
-    world = trainer.world_size
-    if world > 1:
-        order = order[trainer.rank::world]
+    group = trainer.group
+    order = order[group.rank::group.world_size]
     master = next(trainer.model.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=master)  # [loss sum, correct]
     for s in range(0, len(order), chunk):
@@ -80,9 +79,7 @@ def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 25
         totals[0] += losses.double().sum().to(master)
         if val.task == "classification":
             totals[1] += (out.argmax(1) == torch.stack([y for _, y in items]).to(out.device)).sum().to(master)
-    if world > 1:
-        torch.distributed.all_reduce(totals)
-    loss_sum, hits = totals.tolist()
+    loss_sum, hits = group.sum_(totals).tolist()
     res = {"val_loss": loss_sum / len(val)}
     if val.task == "classification":
         res["val_accuracy"] = hits / len(val)
@@ -98,7 +95,7 @@ class Run:
     """Data, model, optimizer, ParallelTrainer, sampler, TrainingLoop and counters of one run,
     restored from `ckpt` when resuming."""
 
-    def __init__(self, cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> None:
+    def __init__(self, cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]], group: distributed.ProcessGroup) -> None:
         self.cfg = cfg
         seed = int(cfg["seed"])
         random.seed(seed)
@@ -109,7 +106,7 @@ class Run:
         except ValueError as exc:
             raise CLIError(f"--devices {cfg['devices']}: {exc}") from None
         # [distributed] under torchrun rank 0 alone prints, writes metrics, plots and checkpoints
-        self.main = distributed.rank_and_world()[0] == 0
+        self.main = group.rank == 0
         self._open_data(cfg, seed)
         data = self.data
         if ckpt is not None:
@@ -130,20 +127,21 @@ class Run:
             self.trainer = ParallelTrainer(self.model, self.optimizer, loss_fn, devices=devices,
                                            samples_per_device=int(cfg["samples_per_device"]),
                                            reduction=cfg["reduction"], clip_grad_norm=cfg["clip_grad"],
-                                           amp=cfg["amp"], nonfinite="skip", track_grad_norm=True)
+                                           amp=cfg["amp"], nonfinite="skip", track_grad_norm=True,
+                                           process_group=group)
         except ValueError as exc:
             raise CLIError(f"cannot train on --devices {cfg['devices']}: {exc}") from None
         tr = self.trainer
         try:  # [distributed] every rank read its own copy of the data: the same copy?
-            tr.check_same_on_every_rank("training samples", len(data))
-            tr.check_same_on_every_rank("training data (same size, other values, lengths or targets)",
-                                        int(self.meta["fingerprint"][:15], 16), show=False)
+            tr.group.check_same("training samples", len(data))
+            tr.group.check_same("training data (same size, other values, lengths or targets)",
+                                int(self.meta["fingerprint"][:15], 16), show=False)
         except ValueError as exc:
             raise DataError(f"{data.name}: {exc}") from None
         # Global steps (world_size x devices x k samples), the same on every rank; each trains its share.
-        self.samples_per_step = tr.samples_per_device * len(tr.devices) * tr.world_size
-        self.sampler = DistributedLengthSampler(data.lengths, tr.samples_per_device, len(tr.devices), tr.rank,
-                                                tr.world_size, seed=seed)
+        self.samples_per_step = tr.samples_per_step * tr.group.world_size
+        self.sampler = DistributedLengthSampler(data.lengths, tr.samples_per_device, len(tr.devices),
+                                                tr.group.world_size, seed=seed)
         self.loop = TrainingLoop(tr, self.sampler, data.__getitem__, max_steps=cfg["max_steps"],
                                  epochs=cfg["epochs"])
         self.resized_from: Optional[int] = None
@@ -156,8 +154,8 @@ class Run:
         devs = tr.devices
         self.devices_desc = str(devs[0]) if len(devs) == 1 else (
             f"{devs[0]} x{len(devs)}" if len(set(devs)) == 1 else ", ".join(map(str, devs)))
-        if tr.world_size > 1:
-            self.devices_desc = f"{tr.world_size} processes x ({self.devices_desc})"
+        if tr.group.world_size > 1:
+            self.devices_desc = f"{tr.group.world_size} processes x ({self.devices_desc})"
         self.last_val: Dict[str, float] = {}
         self.samples_done = 0
 

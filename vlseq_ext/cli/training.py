@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..distributed import ProcessGroup
 from ..training.loop import Callback, TrainingLoop
 from .config import PROG
 from .checks import CLIError
@@ -152,9 +153,9 @@ def _plot(run: Run) -> str:
         return f"not written: {type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def train(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> int:
+def train(cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]], group: ProcessGroup) -> int:
     """Run (or continue) one training run; returns the exit code."""
-    run = Run(cfg, ckpt)
+    run = Run(cfg, ckpt, group)
     if cfg.get("replaces_old_run") and run.main:
         # --overwrite: the data, devices and model checked out, the new run starts now. A crash before its
         # first checkpoint must not leave the old run's checkpoint beside the new run's metrics.
@@ -217,6 +218,5 @@ def _train(run: Run, cfg: Dict[str, Any], ckpt: Optional[Dict[str, Any]]) -> int
     else:
         say(format_summary(PROG, summary_rows(run, wall, plot_note)))
         code = 0
-    if run.trainer.world_size > 1:  # [distributed] no rank leaves before rank 0 has saved
-        run.trainer.barrier()
+    run.trainer.group.barrier()  # [distributed] no rank leaves before rank 0 has saved
     return code
