@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from .. import env
 from ..devices import parse_devices
 from . import diag, flatten, merge, sweep, sweep_report, train
 from .processes import run_ddp
@@ -135,8 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
 
-    # No NVLink multicast (NCCL's NVLS), here and in the worker processes: it stays off on the lent GPU machines.
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    env.disable_nvls()  # here and in the worker processes
     try:
         devices = bench_devices(args.devices)
     except ValueError as exc:

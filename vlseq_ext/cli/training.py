@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import env
 from ..distributed import ProcessGroup
 from ..training.loop import Callback, TrainingLoop
 from .config import PROG
@@ -33,7 +34,7 @@ def deterministic_mode(enabled: bool) -> Iterator[None]:
     saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark)
     if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
+        env.require_deterministic_cublas()
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
@@ -49,7 +50,7 @@ def cpu_threads() -> Iterator[None]:
     small per-sample kernels gain nothing from more, and on a busy machine spinning OpenMP
     threads slow training down many times over. Restored afterwards."""
     saved = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
+    if not env.omp_threads_given():
         torch.set_num_threads(1)
     try:
         yield
