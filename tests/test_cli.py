@@ -22,6 +22,9 @@ import pytest
 import torch
 
 from vlseq_ext import checkpoint, cli, data, files
+from vlseq_ext.cli.config import build_parser
+from vlseq_ext.cli.reporting import matplotlib_available, open_metrics, write_plot
+from vlseq_ext.cli.resolve import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 # A small, fast configuration: a tiny model on short synthetic runs.
@@ -115,7 +118,7 @@ def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"type": "step", "step": 7, "tor')  # a line torn by a crash
-    cli.open_metrics(metrics, 4).close()  # as a resume from a step-4 checkpoint does
+    open_metrics(metrics, 4).close()  # as a resume from a step-4 checkpoint does
     assert sorted(steps(metrics)) == [1, 2, 3, 4]
 
 
@@ -268,6 +271,20 @@ def test_bad_data_is_one_line_and_exit_code_2(tmp_path, capsys, case, expect):
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
+@pytest.mark.parametrize("argv, expect", [
+    (["--data", "japanese_vowels", "--task", "regression"],
+     "japanese_vowels: a built-in classification dataset: it cannot be trained as regression; leave out --task"),
+    (["--synthetic-samples", "2", "--val-fraction", "0.9"],
+     "a validation fraction of 0.9 leaves no training samples out of 2; give a smaller --val-fraction"),
+    (["--data", "nope"], "nope: no such file; --data takes a .npz or .ts file, or one of: synthetic, japanese_vowels"),
+])
+def test_data_errors_name_the_commands_flag(tmp_path, capsys, argv, expect):
+    # the data layer names its parameters (val_fraction, ...): vlseq-train puts its flags in their place
+    rc, _, err = run(capsys, *SMALL, *argv, "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, expect)
+    assert "val_fraction" not in err and "task=" not in err
+
+
 def test_drop_nonfinite_trains_on_the_rest(tmp_path, capsys):
     path = bad_npz(tmp_path, "nan")
     rc, _, err = run(capsys, "--data", path, "--drop-nonfinite", "--devices", "cpu:2", "--hidden", "4",
@@ -332,9 +349,10 @@ def test_resume_on_other_data_of_the_same_size_is_refused(tmp_path, capsys):
 def test_console_entry_exit_code_and_help(tmp_path):
     res = subprocess.run(cmd("--data", tmp_path / "nope.npz"), env=subprocess_env(),
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and res.stderr == f"vlseq-train: error: {tmp_path / 'nope.npz'}: no such file\n"
+    assert res.returncode == 2 and res.stderr == (f"vlseq-train: error: {tmp_path / 'nope.npz'}: no such file; --data "
+                                                  "takes a .npz or .ts file, or one of: synthetic, japanese_vowels\n")
     assert not (tmp_path / "runs").exists()
-    helptext = cli.build_parser().format_help()
+    helptext = build_parser().format_help()
     for opt in ("--data", "--devices", "--samples-per-device", "--epochs", "--max-steps", "--lr", "--model", "--hidden",
                 "--layers", "--task", "--val-fraction", "--seed", "--deterministic", "--amp", "--clip-grad",
                 "--checkpoint-dir", "--checkpoint-every", "--resume", "--metrics", "--plot", "--quiet",
@@ -605,12 +623,11 @@ def test_a_new_run_keeps_an_existing_plot(tmp_path, capsys):
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "vlseq-20261201-120000")
-    args = cli.build_parser().parse_args([*SMALL, "--max-steps", "1"])
-    first, _ = cli.resolve_config(args)
-    second, _ = cli.resolve_config(args)
-    assert first["checkpoint_dir"] == str(Path("runs/vlseq-20261201-120000"))
-    assert second["checkpoint_dir"] == str(Path("runs/vlseq-20261201-120000-2"))
-    assert Path(second["checkpoint_dir"]).is_dir()
+    args = build_parser().parse_args([*SMALL, "--max-steps", "1"])
+    first, second = resolve(args).config, resolve(args).config
+    assert first.checkpoint_dir == str(Path("runs/vlseq-20261201-120000"))
+    assert second.checkpoint_dir == str(Path("runs/vlseq-20261201-120000-2"))
+    assert Path(second.checkpoint_dir).is_dir()
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -735,14 +752,14 @@ def test_a_diverging_run_keeps_its_summary_and_plots_what_is_finite(tmp_path, ca
 def test_write_plot_with_non_finite_and_huge_values(tmp_path):
     history = {"step": list(range(1, 9)), "loss": [1.0, 0.5, float("inf"), float("nan"), 3e38, 0.2, 0.1, 0.1],
                "val_step": [4, 8], "val_loss": [float("inf"), 0.3], "val_accuracy": [None, None], "epoch_loss": []}
-    note = cli.write_plot(tmp_path / "p.svg", history, "diverging")
+    note = write_plot(tmp_path / "p.svg", history, "diverging")
     assert note == f"{tmp_path / 'p.svg'} (3 non-finite loss values not shown)" and (tmp_path / "p.svg").exists()
     nothing = {**history, "loss": [float("nan")] * 8, "val_loss": [float("inf")] * 2}
-    assert "10 non-finite" in cli.write_plot(tmp_path / "q.png", nothing, "all bad")
+    assert "10 non-finite" in write_plot(tmp_path / "q.png", nothing, "all bad")
 
 
 def test_a_failing_plot_is_one_line_of_the_summary(tmp_path, capsys, monkeypatch):
-    from vlseq_ext.cli import training as train_mod
+    from vlseq_ext.cli import train as train_mod
 
     def broken(path, history, title):
         raise ValueError("Axis limits cannot be NaN or Inf\nmore")
@@ -755,7 +772,7 @@ def test_a_failing_plot_is_one_line_of_the_summary(tmp_path, capsys, monkeypatch
 
 
 def test_ctrl_c_during_the_final_plot_tells_the_truth(tmp_path, capsys, monkeypatch):
-    from vlseq_ext.cli import training as train_mod
+    from vlseq_ext.cli import train as train_mod
 
     def interrupted(path, history, title):
         raise KeyboardInterrupt

@@ -38,7 +38,8 @@ import torch
 import torch.cuda.nccl  # noqa: F401  (not imported by `import torch`)
 from torch import nn
 
-from .. import GradientMerger, ops
+from .. import ops
+from ..training.replicas import GradientMerger
 from ..models import SeqModel
 from . import limits
 from .baselines import Feeder, make_pool
