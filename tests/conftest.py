@@ -53,6 +53,11 @@ def two_gpu_skip_reason() -> Optional[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Under xdist every worker is a process of its own: its share of the cores, not torch's default of
+    # all of them each (16 workers x 16 OpenMP threads on 16 cores spent most of their time spinning).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     config.addinivalue_line(
         "markers", "requires_cuda: needs CUDA and the extension's CUDA kernels (skipped loudly when they are missing)")
     config.addinivalue_line(

@@ -142,6 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:
         ap.error(f"--{exc}")  # "--devices '2': asks for the first 2 GPUs but 0 are visible; ..."
     cuda = devices[0].type == "cuda"
+    budget = Budget.make(args.quick, args.repeats, args.sweep_deadline, cpu=not cuda)
     if not cuda:
         # One intra-op thread: the CPU "devices" share the cores anyway (as do the gloo DDP processes,
         # one thread each), and OpenMP regions on a busy machine turn microseconds into milliseconds.
@@ -153,7 +154,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     except OSError as exc:
         ap.error(f"--out {args.out}: cannot write there: {exc.strerror or exc}")
-    budget = Budget.make(args.quick, args.repeats, args.sweep_deadline)
     res = Results(collect_meta(devices, argv, args.quick, args.suite))
     say = tqdm.write
     say(f"vlseq-bench: {len(devices)} x {devices[0].type} ({', '.join(map(str, devices))}), suite {args.suite}"
