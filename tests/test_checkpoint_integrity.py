@@ -17,9 +17,6 @@ from vlseq_ext.cli import predict
 TRAIN = ["--devices", "cpu", "--hidden", "8", "--quiet", "--val-fraction", "0", "--max-steps", "2"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny vlseq-train run (5 features, 2 outputs) and data to predict on."""
@@ -28,12 +25,7 @@ def trained(tmp_path_factory):
     seqs = [rng.standard_normal((int(rng.integers(2, 9)), 5)).astype(np.float32) for _ in range(16)]
     data.save_ragged(root / "train.npz", seqs, np.stack([[s.mean(), s[-1, 0]] for s in seqs]))
     data.save_ragged(root / "new.npz", seqs[:5])
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cli.main([*TRAIN, "--data", str(root / "train.npz"), "--checkpoint-dir", str(root / "run")]) == 0
-    finally:
-        torch.set_num_threads(n)
+    assert cli.main([*TRAIN, "--data", str(root / "train.npz"), "--checkpoint-dir", str(root / "run")]) == 0
     return root
 
 

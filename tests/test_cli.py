@@ -20,9 +20,6 @@ from vlseq_ext.cli.reporting import write_plot
 
 from cli_helpers import HAS_MPL, SMALL, cmd, needs_aeon, needs_mpl, run, steps, subprocess_env
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def test_demo_loss_falls_and_writes_metrics_and_plot(tmp_path, capsys):
     # The default model (LSTM 36 -> 64 -> 1) on the default synthetic data, cut short: 200 steps of
     # 2 samples, just over an epoch of 360 training samples.

@@ -19,9 +19,6 @@ from vlseq_ext.cli.resolve import resolve
 
 from cli_helpers import HAS_MPL, SMALL, needs_mpl, one_line_error, run, snapshot, steps
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path, capsys):
     rc, _, err = run(capsys, *SMALL, "--max-steps", 6, "--checkpoint-dir", tmp_path)
     assert rc == 0, err

@@ -10,9 +10,6 @@ from vlseq_ext import checkpoint, data
 
 from cli_helpers import SMALL, one_line_error, run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def bad_npz(tmp_path, case):
     seqs = [np.ones((n, 4), np.float32) for n in (3, 5, 2)]
     path = tmp_path / f"{case}.npz"

@@ -64,6 +64,7 @@ def test_unflatten_matches_reference(device, tensor_dtype, flat_dtype, scale, ra
     assert_same_bits(flat, flat_before, "unflatten_ modified flat")
 
 
+@pytest.mark.usefixtures("several_threads")  # the kernels' threaded split (at::parallel_for)
 @pytest.mark.parametrize(
     "tensor_dtype,flat_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),

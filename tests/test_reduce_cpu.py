@@ -56,6 +56,7 @@ def test_all_reduce_cpu_every_algo(dtype, nbuf, op, rand):
             assert_same_bits(b, expected[i], f"algo={algo} buffer {i}")
 
 
+@pytest.mark.usefixtures("several_threads")  # the kernels' threaded split (at::parallel_for)
 @pytest.mark.parametrize(
     "dtype,op,nbuf,size",
     [(torch.float32, "sum", 3, 1_000_003), (torch.float32, "mean", 3, 1_000_003),
