@@ -285,3 +285,26 @@ def test_ctrl_c_during_the_final_plot_tells_the_truth(tmp_path, capsys, monkeypa
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path)
     assert rc == 130 and f"interrupted: exiting at once; the checkpoint of step 2 is in {tmp_path / 'last.pt'}" in err
     assert "without saving" not in err and checkpoint.load_checkpoint(tmp_path)["run"]["step"] == 2
+
+
+def test_the_run_configuration_is_one_typed_record():
+    """Every option of vlseq-train is a RunConfig field: the parser, the saved configuration, what a
+    resume keeps and what the trainer gets all come from it."""
+    import dataclasses
+
+    from vlseq_ext.cli.config import RunConfig
+    from vlseq_ext.training.options import TrainerOptions
+
+    flags = {a.dest for a in build_parser()._actions}
+    assert {f.name for f in RunConfig.options()} | {"resume", "overwrite", "help", "version"} == flags
+    assert set(RunConfig.fixed_on_resume()) == {"model", "hidden", "layers", "task", "seed", "val_fraction",
+                                                "synthetic_samples"}
+    config = RunConfig(clip_grad=0.5, amp="bf16", samples_per_device=4)
+    assert config.trainer_options() == {"samples_per_device": 4, "reduction": "mean", "clip_grad_norm": 0.5,
+                                        "amp": "bf16"}
+    TrainerOptions.from_keywords(config.trainer_options())  # every name is one the trainer knows
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0
+    saved = {**config.saved(), "a_field_of_a_later_version": 1}
+    assert RunConfig(**RunConfig.from_saved(saved)) == config and "run_id" in config.saved()
+    assert build_parser().parse_args(["--amp", "none", "--epochs", "2"]).epochs == 2
