@@ -97,12 +97,12 @@ MIXED_SPECS = [
 ]
 
 
-def _device_lists(rand, ndev, specs, devices=None):
+def device_lists(rand, ndev, specs, devices=None):
     devices = devices or ["cpu"] * ndev
     return [[rand.randn(*shape, dtype=dtype, device=devices[d]) for shape, dtype in specs] for d in range(ndev)]
 
 
-def _check_reduce_tensors(lists, originals, expected, scale, zero_others, where="cpu"):
+def check_reduce_tensors(lists, originals, expected, scale, zero_others, where="cpu"):
     """List 0 holds the reference's bits (and the float64 sum); the other lists are +0.0 with
     zero_others and untouched without."""
     ndev = len(lists)
@@ -117,3 +117,12 @@ def _check_reduce_tensors(lists, originals, expected, scale, zero_others, where=
             else:
                 assert_same_bits(lists[d][p], originals[d][p],
                                  f"tensor {p} of list {d} ({where}) changed although zero_others=False")
+
+
+def assert_broadcast(srcs, saved, dst_lists) -> None:
+    """Every destination list holds the sources' bits, and the sources are as `saved`."""
+    for d, lst in enumerate(dst_lists):
+        for p, (t, s) in enumerate(zip(lst, srcs)):
+            assert_same_bits(t, s, f"list {d} tensor {p}")
+    for s, v in zip(srcs, saved):
+        assert_same_bits(s, v, "broadcast_tensors_ modified a source")

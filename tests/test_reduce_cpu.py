@@ -12,7 +12,9 @@ import torch
 from vlseq_ext import ops, reference
 
 from helpers import assert_same_bits, bits, dname, raises_matching
-from reduce_oracles import ALGOS, CORE_ALGOS, FLOATS, MIXED_SPECS, REDUCE_OPS, TENSORS_TAKE_ALGO, TENSOR_ALGOS, _check_reduce_tensors, _device_lists, all_reduce_tensors, assert_near_float64, clones
+from reduce_oracles import (ALGOS, all_reduce_tensors, assert_broadcast, assert_near_float64,
+                            check_reduce_tensors, clones, CORE_ALGOS, device_lists, FLOATS, MIXED_SPECS,
+                            REDUCE_OPS, TENSOR_ALGOS, TENSORS_TAKE_ALGO)
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 
@@ -134,7 +136,7 @@ def test_opcheck_all_reduce(op, rand):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 def test_all_reduce_tensors_cpu(ndev, scale, rand):
-    lists = _device_lists(rand, ndev, MIXED_SPECS)
+    lists = device_lists(rand, ndev, MIXED_SPECS)
     originals = [clones(lst) for lst in lists]
     expected = [clones(lst) for lst in lists]
     reference.all_reduce_tensors_(expected, scale)
@@ -158,7 +160,7 @@ def test_core_algos_are_accepted():
 def test_all_reduce_tensors_cpu_every_algo(rand):
     """Every algo all_reduce_tensors_ takes gives the reference's bits; one_shot and unknown names
     are refused with a message, before anything is written."""
-    lists = _device_lists(rand, 3, MIXED_SPECS)
+    lists = device_lists(rand, 3, MIXED_SPECS)
     expected = [clones(lst) for lst in lists]
     reference.all_reduce_tensors_(expected, 0.25)
     for algo in TENSOR_ALGOS:
@@ -180,7 +182,7 @@ def test_all_reduce_tensors_cpu_every_algo(rand):
 def test_all_reduce_tensors_cpu_matches_flat_pipeline(rand):
     """The fused op and flatten + all_reduce_ + unflatten_ give the same bits (fp32 tensors)."""
     specs = [((3, 4), torch.float32), ((4097,), torch.float32), ((1,), torch.float32), ((64, 36), torch.float32)]
-    lists = _device_lists(rand, 3, specs)
+    lists = device_lists(rand, 3, specs)
     other = [clones(lst) for lst in lists]
     ops.all_reduce_tensors_(lists, 0.25)
     flats = [ops.flatten(lst) for lst in other]
@@ -193,7 +195,7 @@ def test_all_reduce_tensors_cpu_matches_flat_pipeline(rand):
 
 
 def test_opcheck_all_reduce_tensors(rand):
-    lists = _device_lists(rand, 2, [((3, 4), torch.float32), ((5,), torch.bfloat16)])
+    lists = device_lists(rand, 2, [((3, 4), torch.float32), ((5,), torch.bfloat16)])
     torch.library.opcheck(torch.ops.vlseq_ext.all_reduce_tensors_.default,
                           ([t for lst in lists for t in lst], 2, 0.5))
 
@@ -207,12 +209,12 @@ def test_opcheck_all_reduce_tensors(rand):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 @pytest.mark.parametrize("ndev", [1, 2, 3])
 def test_reduce_tensors_cpu(ndev, scale, zero_others, rand):
-    lists = _device_lists(rand, ndev, MIXED_SPECS)
+    lists = device_lists(rand, ndev, MIXED_SPECS)
     originals = [clones(lst) for lst in lists]
     expected = [clones(lst) for lst in lists]
     reference.reduce_tensors_(expected, scale, zero_others)
     ops.reduce_tensors_(lists, scale, zero_others)
-    _check_reduce_tensors(lists, originals, expected, scale, zero_others)
+    check_reduce_tensors(lists, originals, expected, scale, zero_others)
 
 
 @pytest.mark.parametrize("case", ["uneven", "shape", "not_contiguous", "same_tensor_in_two_lists",
@@ -271,7 +273,7 @@ def test_reduce_tensors_cpu_lists_are_views_of_one_buffer(nlists, zero_others, r
     expected = [clones(lst) for lst in views]
     reference.reduce_tensors_(expected, 0.5, zero_others)
     ops.reduce_tensors_(views, 0.5, zero_others)
-    _check_reduce_tensors(views, originals, expected, 0.5, zero_others)
+    check_reduce_tensors(views, originals, expected, 0.5, zero_others)
 
 
 REFERENCE_OVERLAPS = {
@@ -360,11 +362,7 @@ def test_broadcast_tensors_cpu(rand):
     saved = clones(srcs)
     dst_lists = [[torch.full(s.shape, float("nan"), dtype=s.dtype) for s in srcs] for _ in range(2)]
     ops.broadcast_tensors_(srcs, dst_lists)
-    for d, lst in enumerate(dst_lists):
-        for p, (t, s) in enumerate(zip(lst, srcs)):
-            assert_same_bits(t, s, f"list {d} tensor {p}")
-    for s, v in zip(srcs, saved):
-        assert_same_bits(s, v, "broadcast_tensors_ modified a source")
+    assert_broadcast(srcs, saved, dst_lists)
     # a destination that is the source itself is fine (and stays the source)
     ops.broadcast_tensors_(srcs, [srcs])
     for s, v in zip(srcs, saved):

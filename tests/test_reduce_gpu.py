@@ -13,7 +13,9 @@ import torch
 from vlseq_ext import ops, reference
 
 from helpers import assert_same_bits, bits, dname, raises_matching
-from reduce_oracles import ALGOS, FLOATS, MIXED_SPECS, REDUCE_OPS, TENSOR_ALGOS, _check_reduce_tensors, _device_lists, all_reduce_tensors, assert_near_float64, clones
+from reduce_oracles import (ALGOS, all_reduce_tensors, assert_broadcast, assert_near_float64,
+                            check_reduce_tensors, clones, device_lists, FLOATS, MIXED_SPECS, REDUCE_OPS,
+                            TENSOR_ALGOS)
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 
@@ -33,7 +35,7 @@ def test_all_reduce_single_cuda_buffer_is_unchanged(op, rand):
 
 @pytest.mark.requires_cuda
 def test_all_reduce_tensors_single_cuda_device(rand):
-    lists = _device_lists(rand, 1, MIXED_SPECS, ["cuda:0"])
+    lists = device_lists(rand, 1, MIXED_SPECS, ["cuda:0"])
     expected = [clones(lists[0])]
     reference.all_reduce_tensors_(expected, 0.25)
     ops.all_reduce_tensors_(lists, 0.25)
@@ -46,12 +48,12 @@ def test_all_reduce_tensors_single_cuda_device(rand):
 def test_reduce_tensors_several_lists_on_one_gpu(zero_others, rand):
     """Three lists on cuda:0 (e.g. the gradients of three streams): list 0 gets the sum in list
     order, with the reference's bits."""
-    lists = _device_lists(rand, 3, MIXED_SPECS, ["cuda:0"] * 3)
+    lists = device_lists(rand, 3, MIXED_SPECS, ["cuda:0"] * 3)
     originals = [[t.cpu() for t in lst] for lst in lists]
     expected = [[t.cpu() for t in lst] for lst in lists]
     reference.reduce_tensors_(expected, 0.25, zero_others)
     ops.reduce_tensors_(lists, 0.25, zero_others)
-    _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
+    check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
                           where="cuda:0")
 
 
@@ -223,8 +225,8 @@ def test_copy_engine_fallback_gives_the_p2p_bits(rand, tmp_path):
                 x0, x1 = rand.randn(size, dtype=dtype, scale=10.0), rand.randn(size, dtype=dtype, scale=10.0)
                 algo = ALGOS[(size + len(op)) % len(ALGOS)]  # any algo must degrade to copy_engine
                 cases["all_reduce"][f"{size}-{dname(dtype)}-{op}"] = (x0, x1, op, algo)
-    cases["lists"] = _device_lists(rand, 2, MIXED_SPECS)
-    cases["lists3"] = _device_lists(rand, 3, MIXED_SPECS)
+    cases["lists"] = device_lists(rand, 2, MIXED_SPECS)
+    cases["lists3"] = device_lists(rand, 3, MIXED_SPECS)
     cases["srcs"] = [rand.randn(*shape, dtype=dtype) for shape, dtype in MIXED_SPECS]
     inp, outp = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(cases, inp)
@@ -256,7 +258,7 @@ def test_copy_engine_fallback_gives_the_p2p_bits(rand, tmp_path):
             assert_same_bits(got["reduced"][d][p], t.cpu(), f"reduce_tensors_ tensor {p} cuda:{d}: copy engine vs P2P")
     expected = [clones(lst) for lst in cases["lists3"]]
     reference.reduce_tensors_(expected, cases["scale"], True)
-    _check_reduce_tensors(got["reduced_shared"], cases["lists3"], expected, cases["scale"], True,
+    check_reduce_tensors(got["reduced_shared"], cases["lists3"], expected, cases["scale"], True,
                           where="copy engine, lists on cuda:0, cuda:1, cuda:0")
     for p, (g, s) in enumerate(zip(got["bcast"], cases["srcs"])):
         assert_same_bits(g, s, f"broadcast_tensors_ without P2P, tensor {p}")
@@ -381,15 +383,18 @@ def _specs(count):
     return list(MIXED_SPECS) if not count else [MIXED_SPECS[i % len(MIXED_SPECS)] for i in range(count)]
 
 
+def _two_gpu_lists(rand, count):
+    """(specs, one list per GPU, their copies, the copies on the CPU for the reference)."""
+    specs = _specs(count)
+    lists = device_lists(rand, 2, specs, [DEV0, DEV1])
+    return specs, lists, [clones(lst) for lst in lists], [[t.to("cpu", copy=True) for t in lst] for lst in lists]
+
 @pytest.mark.requires_2gpu
 @pytest.mark.parametrize("algo", TENSOR_ALGOS)
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 @pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
 def test_all_reduce_tensors_2gpu(count, scale, algo, rand):
-    specs = _specs(count)
-    lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
-    originals = [clones(lst) for lst in lists]
-    expected = [[t.to("cpu", copy=True) for t in lst] for lst in lists]
+    specs, lists, originals, expected = _two_gpu_lists(rand, count)
     reference.all_reduce_tensors_(expected, scale)
     all_reduce_tensors(lists, scale, algo)
     for p in range(len(specs)):
@@ -405,13 +410,10 @@ def test_all_reduce_tensors_2gpu(count, scale, algo, rand):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 @pytest.mark.parametrize("count", [0, 100], ids=["mixed", "100-tensors"])
 def test_reduce_tensors_2gpu(count, scale, zero_others, rand):
-    specs = _specs(count)
-    lists = _device_lists(rand, 2, specs, [DEV0, DEV1])
-    originals = [clones(lst) for lst in lists]
-    expected = [[t.to("cpu", copy=True) for t in lst] for lst in lists]
+    specs, lists, originals, expected = _two_gpu_lists(rand, count)
     reference.reduce_tensors_(expected, scale, zero_others)
     ops.reduce_tensors_(lists, scale, zero_others)
-    _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], [[t.cpu() for t in lst] for lst in originals],
+    check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], [[t.cpu() for t in lst] for lst in originals],
                           expected, scale, zero_others, where="cuda:1")
 
 
@@ -424,12 +426,12 @@ def test_reduce_tensors_lists_sharing_a_gpu(layout, count, zero_others, rand):
     device, the kernel reads every list, and list 0 gets the reference's bits (sum in list order)."""
     specs = _specs(count)
     devices = [f"cuda:{d}" for d in layout.split(",")]
-    lists = _device_lists(rand, 3, specs, devices)
+    lists = device_lists(rand, 3, specs, devices)
     originals = [[t.cpu() for t in lst] for lst in lists]
     expected = [[t.cpu() for t in lst] for lst in lists]
     reference.reduce_tensors_(expected, 0.25, zero_others)
     ops.reduce_tensors_(lists, 0.25, zero_others)
-    _check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
+    check_reduce_tensors([[t.cpu() for t in lst] for lst in lists], originals, expected, 0.25, zero_others,
                           where=layout)
 
 
@@ -457,11 +459,7 @@ def test_broadcast_tensors_2gpu(count, rand):
     saved = clones(srcs)
     dst_lists = [[torch.full(s.shape, float("nan"), dtype=s.dtype, device=dev) for s in srcs] for dev in (DEV1, DEV0)]
     ops.broadcast_tensors_(srcs, dst_lists)
-    for d, lst in enumerate(dst_lists):
-        for p, (t, s) in enumerate(zip(lst, srcs)):
-            assert_same_bits(t, s, f"list {d} tensor {p}")
-    for s, v in zip(srcs, saved):
-        assert_same_bits(s, v, "broadcast_tensors_ modified a source")
+    assert_broadcast(srcs, saved, dst_lists)
 
 
 @pytest.mark.requires_2gpu

@@ -92,24 +92,30 @@ def test_no_package_module_is_over_400_lines():
 
 
 def uses(tree: ast.AST, dotted: str) -> bool:
-    """Whether the code (not its strings) imports or refers to `dotted` (e.g. "torch.distributed")."""
+    """Whether the code (not its strings) imports or refers to `dotted` (e.g. "torch.distributed"),
+    under any alias (import os as o; o.environ)."""
     first, _, last = dotted.rpartition(".")
+    aliases = {first}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name == dotted or a.name.startswith(dotted + ".") for a in node.names):
-            return True
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[:2] == dotted.split("."):
+                    return True
+                if a.name == first:
+                    aliases.add(a.asname or a.name)
         if isinstance(node, ast.ImportFrom) and (node.module == dotted or (node.module or "").startswith(dotted + ".")
                                                  or (node.module == first and any(a.name == last for a in node.names))):
             return True
-        if isinstance(node, ast.Attribute) and node.attr == last and ast.unparse(node.value) == first:
-            return True
-    return False
+    return any(isinstance(node, ast.Attribute) and node.attr == last and ast.unparse(node.value) in aliases
+               for node in ast.walk(tree))
 
 
 def test_only_env_reads_the_environment_and_only_distributed_imports_torch_distributed():
     for path in PKG.rglob("*.py"):
         tree, name = ast.parse(path.read_text()), module_name(path)
         if name != "env":
-            assert not any(uses(tree, f"os.{f}") for f in ("environ", "getenv", "putenv")), f"{name} reads the environment"
+            reads = any(uses(tree, f"os.{f}") for f in ("environ", "getenv", "putenv"))
+            assert not reads, f"{name} reads the environment"
         if name != "distributed" and not name.startswith("bench"):  # (the bench measures DDP itself)
             assert not uses(tree, "torch.distributed"), f"{name} uses torch.distributed directly"
 

@@ -356,7 +356,8 @@ def start(device: Optional[torch.device] = None) -> ProcessGroup:
         return ProcessGroup()
     if launch.missing:
         raise DistributedError(f"WORLD_SIZE={launch.world_size} but {', '.join(launch.missing)} not set: launch with "
-                               "torchrun (docs/multi-node.md), or set RANK, MASTER_ADDR and MASTER_PORT for every process")
+                               "torchrun (docs/multi-node.md), or set RANK, MASTER_ADDR and MASTER_PORT for every "
+                               "process")
     backend = _backend(device)
     where = f"{launch.master_addr}:{launch.master_port}"
     kw = {}

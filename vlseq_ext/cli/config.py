@@ -57,9 +57,9 @@ def private(default: Any) -> Any:
 class RunConfig:
     """One vlseq-train run's configuration, as a checkpoint saves it."""
 
-    data: str = option("synthetic", "data", f"a ragged .npz or UEA/UCR .ts file, or a built-in set: {' | '.join(BUILTIN)} "
-                       "(default: {default}; japanese_vowels needs aeon: pip install 'vlseq_ext[ts]')",
-                       metavar="PATH|NAME")
+    data: str = option("synthetic", "data", "a ragged .npz or UEA/UCR .ts file, or a built-in set: "
+                       f"{' | '.join(BUILTIN)} (default: {{default}}; japanese_vowels needs aeon: pip install "
+                       "'vlseq_ext[ts]')", metavar="PATH|NAME")
     synthetic_samples: int = option(2000, "data", "number of sequences of the synthetic set (default: {default})",
                                     metavar="N", check=_at_least(1), fixed=True)
     task: Optional[str] = option(None, "data", "default: classification for integer class labels (and .ts class "
@@ -90,7 +90,8 @@ class RunConfig:
     clip_grad: Optional[float] = option(None, "training", "clip the global gradient L2 norm to NORM", metavar="NORM",
                                         check=_finite_positive(optional=True), trainer="clip_grad_norm")
     amp: Optional[str] = option(None, "training", "bf16 autocast for the forward pass (default: none)",
-                                choices=["bf16", "none"], trainer="amp", flag_value=lambda v: None if v == "none" else v)
+                                choices=["bf16", "none"], trainer="amp",
+                                flag_value=lambda v: None if v == "none" else v)
     seed: int = option(0, "training", "seed of the synthetic data, the split, the order and the model (default: "
                        "{default})", check=((lambda v: 0 <= v < 2 ** 63), "in [0, 2**63)"), fixed=True)
     deterministic: bool = option(False, "training", "deterministic kernels only (torch.use_deterministic_algorithms): "
@@ -100,8 +101,8 @@ class RunConfig:
                                            "runs/vlseq-<date>-<time>, or the --resume directory). A folder that "
                                            "already holds a run is refused unless --resume or --overwrite is given",
                                            metavar="DIR")
-    checkpoint_every: int = option(0, "checkpoints and output", "also checkpoint every STEPS steps (default: at the end "
-                                   "of every epoch and of the run)", metavar="STEPS",
+    checkpoint_every: int = option(0, "checkpoints and output", "also checkpoint every STEPS steps (default: at the "
+                                   "end of every epoch and of the run)", metavar="STEPS",
                                    check=_at_least(0, " (0: only at epoch ends)"))
     metrics: Optional[str] = option(None, "checkpoints and output", "JSON Lines metrics, one record per step and per "
                                     "epoch (default: DIR/metrics.jsonl)", metavar="PATH")

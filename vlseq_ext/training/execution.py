@@ -174,8 +174,8 @@ class DeviceRunner:
                 self.padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream, dtype,
                                                      *bounds)
             elif self.plan == "per_sample":
-                self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream, dtype,
-                                                      *bounds) for lane in dev_lanes]
+                self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream,
+                                                      dtype, *bounds) for lane in dev_lanes]
 
     def warmup_steps(self, lengths: List[int]) -> List[List[int]]:
         """The sample lengths of the steps that capture every graph these lengths will replay (after
