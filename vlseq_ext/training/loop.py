@@ -149,7 +149,8 @@ class TrainingLoop:
             for batch in sampler:
                 stepped = True
                 items = [self.get_item(k) for k in batch]
-                items = [items[i] for i in trainer.shard([sample_length(x) for x, _ in items])]  # this process's share
+                if trainer.group.world_size > 1:  # this process's longest-first share of the global step
+                    items = [items[i] for i in trainer.shard([sample_length(x) for x, _ in items])]
                 loss = trainer.step([x for x, _ in items], [y for _, y in items])
                 self.step += 1
                 for cb in self.callbacks:
