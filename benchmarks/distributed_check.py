@@ -14,6 +14,8 @@ DDP baseline): samples/s for BENCHMARKS.md.
 
 Writes OUT/results.json and OUT/summary.md; prints the summary. Each subprocess is bounded by
 --timeout seconds. NCCL_NVLS_ENABLE=0 is set (NVLink multicast stays off on the lent GPU machines).
+VLSEQ_CHECK_CPU=1 runs the same on CPU (2 processes, gloo, a hidden-8 model, fewer steps, k=4 for
+k=32): what tests/test_distributed.py runs on every machine.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vlseq_ext import ParallelTrainer, SeqModel  # noqa: E402
+from vlseq_ext import ParallelTrainer, SeqModel, distributed, env  # noqa: E402
+from vlseq_ext.devices import parse_devices  # noqa: E402
 from vlseq_ext.bench.baselines import make_pool  # noqa: E402
 from vlseq_ext.bench.processes import run_ddp  # noqa: E402
 
@@ -51,8 +54,7 @@ def build(devices: Optional[List[str]], k: int, reduction: str, group: Any) -> P
     model = SeqModel(hidden_dim=8) if CPU else SeqModel()
     if devices is None and CPU:
         devices = ["cpu"]
-    first = devices[0] if devices else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    model.to(first)
+    model.to(parse_devices(devices)[0])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return ParallelTrainer(model, opt, nn.MSELoss(), devices=devices, samples_per_device=k, reduction=reduction,
                            process_group=group)
@@ -66,17 +68,15 @@ def global_steps(n_global: int, steps: int, tail: int):
 
 
 def local_part(tr: ParallelTrainer, xs, gs: List[int]) -> List[int]:
-    if tr.cross_process is None:
-        return gs
-    return [gs[i] for i in tr.cross_process.shard([xs[i].shape[0] for i in gs], tr.samples_per_device,
-                                                  len(tr.devices))]
+    """This process's share of the global step `gs` (all of it in one process)."""
+    return [gs[i] for i in tr.shard([xs[i].shape[0] for i in gs])]
 
 
 def check(devices: Optional[List[str]], group: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, c in CHECKS.items():
         tr = build(devices, c["k"], "mean", group)
-        n_global = c["k"] * len(tr.devices) * tr.world_size
+        n_global = tr.samples_per_step * tr.group.world_size
         xs, ys, steps = global_steps(n_global, c["steps"], c["tail"])
         losses, counts = [], []
         for gs in steps:
@@ -92,7 +92,7 @@ def check(devices: Optional[List[str]], group: Any) -> Dict[str, Any]:
 def throughput(devices: Optional[List[str]], group: Any, k: int, iters: int, repeats: int) -> Dict[str, Any]:
     """W2: samples/s of k samples per GPU per step (reduction="sum"), timed over `iters` steps per repeat."""
     tr = build(devices, k, "sum", group)
-    n_global = k * len(tr.devices) * tr.world_size
+    n_global = tr.samples_per_step * tr.group.world_size
     xs, ys, steps = global_steps(n_global, 8, n_global)
     parts = [local_part(tr, xs, gs) for gs in steps]
     feed = [([xs[i] for i in p], [ys[i] for i in p]) for p in parts]
@@ -105,8 +105,7 @@ def throughput(devices: Optional[List[str]], group: Any, k: int, iters: int, rep
         for d in tr.devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
-        if tr.cross_process is not None:
-            tr.cross_process.barrier()
+        tr.group.barrier()
 
     sync()
     setup_s = time.perf_counter() - t0
@@ -121,17 +120,17 @@ def throughput(devices: Optional[List[str]], group: Any, k: int, iters: int, rep
     per_step = [t / iters for t in times]
     return {"k": k, "samples_per_step": n_global, "iters": iters, "s_per_step": per_step,
             "samples_per_s": n_global / statistics.median(per_step), "setup_s": setup_s,
-            "processes": tr.world_size, "devices_per_process": len(tr.devices)}
+            "processes": tr.group.world_size, "devices_per_process": len(tr.devices)}
 
 
 def worker(args) -> None:
-    """Under torchrun: one process per GPU (devices=None: cuda:LOCAL_RANK), NCCL."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    res = {"check": check(None, "auto"), "w2": throughput(None, "auto", 4 if CPU else 32, args.iters, args.repeats)}
-    import torch.distributed as dist
-    if dist.get_rank() == 0:
-        Path(args.out, "dist.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    """Under torchrun: one process per GPU (devices=None: its share of the GPUs, cuda:LOCAL_RANK), NCCL;
+    gloo on CPU."""
+    first = parse_devices(["cpu"] if CPU else None)[0]
+    with distributed.start(first) as group:
+        res = {"check": check(None, group), "w2": throughput(None, group, 4 if CPU else 32, args.iters, args.repeats)}
+        if group.rank == 0:
+            Path(args.out, "dist.json").write_text(json.dumps(res))
 
 
 def single(args) -> None:
@@ -141,7 +140,7 @@ def single(args) -> None:
 
 
 def run(cmd: List[str], log: Path, timeout: float) -> int:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
         try:
             return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -160,6 +159,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=500, help="seconds allowed per subprocess")
     ap.add_argument("--rtol", type=float, default=1e-5)
     args = ap.parse_args()
+    env.disable_nvls()  # inherited by every process started below
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.mode == "worker":
         worker(args)
@@ -195,7 +195,8 @@ def main() -> int:
         return 1
     sd = k * args.gpus / statistics.median(ddp["times"])
     ok = True
-    lines = [f"# {args.gpus} processes x 1 GPU (NCCL) vs 1 process x {args.gpus} GPUs",
+    dev, comm, merge = ("CPU device", "gloo", "in-process merge") if CPU else ("GPU", "NCCL", "P2P merge")
+    lines = [f"# {args.gpus} processes x 1 {dev} ({comm}) vs 1 process x {args.gpus} {dev}s",
              "", f"torch {torch.__version__}, {'CPU smoke test' if CPU else torch.cuda.get_device_name(0)}", "",
              "| check | steps | max rel. diff of step losses | max rel. diff of final weights | rank-1 samples in last step | ok |",
              "|---|---|---|---|---|---|"]
@@ -212,11 +213,11 @@ def main() -> int:
         lines.append(f"| {name} | {len(la)} | {dl:.2e} | {dp:.2e} | {CHECKS[name]['tail'] - rank0_counts[-1]} | "
                      f"{'yes' if good else 'NO'} |")
     sa, sb = a["w2"]["samples_per_s"], b["w2"]["samples_per_s"]
-    lines += ["", "W2 (seed model, k=32 samples per GPU per step, reduction=sum), median of "
-              f"{args.repeats} x {args.iters} steps:", "",
+    lines += ["", f"W2 ({'hidden 8' if CPU else 'seed'} model, k={k} samples per {dev} per step, reduction=sum), "
+              f"median of {args.repeats} x {args.iters} steps:", "",
               "| mode | samples/s |", "|---|---|",
-              f"| 1 process x {args.gpus} GPUs (P2P merge) | {sa:,.0f} |",
-              f"| {args.gpus} processes x 1 GPU (NCCL all-reduce) | {sb:,.0f} |",
+              f"| 1 process x {args.gpus} {dev}s ({merge}) | {sa:,.0f} |",
+              f"| {args.gpus} processes x 1 {dev} ({comm} all-reduce) | {sb:,.0f} |",
               f"| DDP, {args.gpus} processes, packed batches | {sd:,.0f} |"]
     md = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(md)

@@ -53,6 +53,11 @@ def two_gpu_skip_reason() -> Optional[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread in every test process (several_threads aside): the tests' ops are small, and
+    # OpenMP threads spin on a busy machine. 16 xdist workers x 16 threads on 16 cores spent most of
+    # their time spinning; on a loaded 2-core machine 20 merges of a tiny model took 3.9 s with 2
+    # threads and 0.08 s with one.
+    torch.set_num_threads(1)
     config.addinivalue_line(
         "markers", "requires_cuda: needs CUDA and the extension's CUDA kernels (skipped loudly when they are missing)")
     config.addinivalue_line(
@@ -154,10 +159,10 @@ def no_tf32():
 
 
 @pytest.fixture
-def one_thread():
-    """Tiny models train fastest single-threaded; two intra-op threads on a 2-core CI box mostly spin.
-    For CLI-level modules: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+def several_threads():
+    """Four intra-op threads for the test: the CPU kernels split large tensors over threads
+    (at::parallel_for) only then."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(4)
     yield
     torch.set_num_threads(n)

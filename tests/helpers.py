@@ -1,7 +1,11 @@
-"""Helpers shared by the op tests: bit-exact comparisons and message-checking raises."""
+"""Helpers shared by the tests: bit-exact comparisons, message-checking raises, work done once per session."""
 from __future__ import annotations
 
+import os
 import re
+import shutil
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -48,3 +52,31 @@ class raises_matching:
             raise AssertionError(f"{etype.__name__} raised, but its message does not match {self.match!r}:\n"
                                  f"{msg[:300]}") from None
         return True
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this test session sees (the session's own temporary folder
+    without xdist), for work done once per session (see `once`)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    if run is None:
+        return base
+    shared = base.parent / f"shared-{run}"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """make(folder) once per test session, whichever xdist worker asks first (the others wait for it
+    and then read its folder). A failed make fails every test that asks (each tries again)."""
+    from filelock import FileLock
+
+    root = shared_dir(tmp_path_factory)
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder

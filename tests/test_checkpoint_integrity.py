@@ -17,9 +17,6 @@ from vlseq_ext.cli import predict
 TRAIN = ["--devices", "cpu", "--hidden", "8", "--quiet", "--val-fraction", "0", "--max-steps", "2"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny vlseq-train run (5 features, 2 outputs) and data to predict on."""
@@ -28,12 +25,7 @@ def trained(tmp_path_factory):
     seqs = [rng.standard_normal((int(rng.integers(2, 9)), 5)).astype(np.float32) for _ in range(16)]
     data.save_ragged(root / "train.npz", seqs, np.stack([[s.mean(), s[-1, 0]] for s in seqs]))
     data.save_ragged(root / "new.npz", seqs[:5])
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cli.main([*TRAIN, "--data", str(root / "train.npz"), "--checkpoint-dir", str(root / "run")]) == 0
-    finally:
-        torch.set_num_threads(n)
+    assert cli.main([*TRAIN, "--data", str(root / "train.npz"), "--checkpoint-dir", str(root / "run")]) == 0
     return root
 
 
@@ -183,3 +175,34 @@ def test_a_damaged_zip_directory_entry_is_refused(trained, tmp_path, damage, mat
     (tmp_path / "bad.pt").write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=match):
         load_model(tmp_path / "bad.pt")
+
+
+OLD = Path(__file__).parent / "data" / "checkpoint-0.2.0"
+
+
+def test_a_checkpoint_of_version_0_2_0_resumes_exactly(tmp_path, capsys, monkeypatch):
+    """tests/data/checkpoint-0.2.0: step 3 of `vlseq-train --devices cpu:2 --hidden 4 --synthetic-samples 24
+    --val-fraction 0.25 --deterministic`, written by vlseq_ext 0.2.0 (commit 1ddcab8), and the metrics of
+    the same run straight to step 12 (straight.jsonl, the same version). Resumed by this version, it
+    repeats that run's steps 4-12, across the epoch end, bit for bit; load_model reads it too."""
+    import json
+    import shutil
+
+    run_dir = tmp_path / "oldrun"  # the folder the old run used, relative to where it ran
+    run_dir.mkdir()
+    shutil.copy(OLD / "last.pt", run_dir / "last.pt")
+    monkeypatch.chdir(tmp_path)
+    assert load_model(run_dir).recurrent.hidden_size == 4
+    rc = cli.main(["--resume", "oldrun", "--max-steps", "12"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "resuming at step 3 (epoch 1, batch 3)" in err, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (OLD / "straight.jsonl").read_text().splitlines()]
+    keys = {"step": ("step", "epoch", "loss", "grad_norm", "samples"), "epoch": ("step", "train_loss", "val_loss"),
+            "val": ("step", "val_loss")}
+    got = [(r["type"], [r[k] for k in keys[r["type"]]]) for r in records]
+    want = [(r["type"], [r[k] for k in keys[r["type"]]]) for r in expected if r["step"] > 3]
+    assert got == want
+    saved = read_checkpoint(run_dir)
+    assert saved["run"]["step"] == 12 and saved["config"]["run_id"] == torch.load(
+        OLD / "last.pt", weights_only=True)["config"]["run_id"]  # still the same run

@@ -11,8 +11,8 @@ import torch
 
 from vlseq_ext import data
 from vlseq_ext.data import DataError
-from vlseq_ext import samplers
-from vlseq_ext.samplers import LengthBucketSampler
+from vlseq_ext.data import samplers
+from vlseq_ext.data.samplers import LengthBucketSampler
 
 HAS_AEON = importlib.util.find_spec("aeon") is not None
 needs_aeon = pytest.mark.skipif(not HAS_AEON, reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
@@ -70,7 +70,7 @@ def corrupt(arrays):
     ("offsets_float", "'offsets' must be a 1-D integer array"),
     ("zero_length", "sample 1 has length 0"),
     ("missing_array", "missing array(s) targets"),
-    ("nan", "sample 3 has a non-finite value (NaN or inf) at step 0; pass --drop-nonfinite"),
+    ("nan", "sample 3 has a non-finite value (NaN or inf) at step 0; pass drop_nonfinite=True"),
     ("nan_target", "sample 2 has a non-finite value (NaN or inf) in its target"),
 ])
 def test_npz_validation_errors(tmp_path, case, expect):
@@ -149,6 +149,21 @@ def test_split_is_deterministic_and_disjoint():
     assert np.array_equal(va.starts, va2.starts)
     assert not set(tr.starts.tolist()) & set(va.starts.tolist())
     assert data.split(ds, 0.0)[1] is None
+
+
+def test_data_errors_name_the_parameter_they_are_about(tmp_path):
+    """The data layer's advice speaks of its own parameters; a command replaces it (with_hint)."""
+    with pytest.raises(DataError) as err:
+        data.split(data.synthetic(3), 0.9)
+    assert err.value.option == "val_fraction" and str(err.value).endswith("; give a smaller val_fraction")
+    assert err.value.with_hint({"val_fraction": "lower --v"}) == f"{err.value.problem}; lower --v"
+    with pytest.raises(DataError) as err:
+        data.open_dataset("japanese_vowels", task="regression")
+    assert err.value.option == "task" and "--" not in str(err.value)
+    with pytest.raises(DataError) as err:
+        data.open_dataset(str(tmp_path / "nope"))
+    assert err.value.option == "data" and "--" not in str(err.value)
+    assert err.value.with_hint({}) == str(err.value)  # no advice of the caller's: the library's stays
 
 
 def test_sequence_lengths_of_a_generic_dataset():
@@ -267,7 +282,10 @@ def test_float64_beyond_float32_is_caught_after_the_cast(tmp_path, where):
         data.load_ragged(path)
     msg = str(err.value)
     at = "sample 2 has the value -1e+39 at step 1" if where == "values" else "sample 4 has the value 5e+38 in its target"
-    assert str(path) in msg and at in msg and "overflows float32" in msg and "--drop-nonfinite" in msg, msg
+    assert str(path) in msg and at in msg and "overflows float32" in msg and "drop_nonfinite=True" in msg, msg
+    # a command puts its own advice in place of the library's
+    assert err.value.option == "drop_nonfinite" and "drop_nonfinite" not in err.value.with_hint({"drop_nonfinite": "X"})
+    assert err.value.with_hint({"drop_nonfinite": "X"}).endswith("; rescale the data; X")
     ds = data.load_ragged(path, drop_nonfinite=True)
     assert ds.dropped == 1 and len(ds) == 4 and torch.isfinite(ds.values).all() and torch.isfinite(ds.targets).all()
     b = good_arrays()

@@ -8,6 +8,7 @@ deadline, after which its processes are killed, so a bug cannot hang CI.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -116,7 +117,7 @@ def scenario_merge(out: Path) -> None:
     """Merged gradients vs a float64 single-device reference; training, fit() and accumulation
     vs one process with 4 CPU devices; the state every rank ends with."""
     from vlseq_ext import ParallelTrainer, SeqModel
-    from vlseq_ext.distributed import CrossProcessMerge
+    from vlseq_ext.distributed import TorchProcessGroup
 
     rank = int(os.environ["RANK"])
     lengths, xs, ys = _data()
@@ -133,7 +134,7 @@ def scenario_merge(out: Path) -> None:
     # 1. merged gradients (compute_gradients) against the float64 reference of the whole global step
     for reduction in ("sum", "mean"):
         tr = trainer_for(reduction)
-        assert isinstance(tr.merger.collective, CrossProcessMerge) and (tr.rank, tr.world_size) == (rank, 2)
+        assert isinstance(tr.group, TorchProcessGroup) and (tr.group.rank, tr.group.world_size) == (rank, 2)
         ref = copy.deepcopy(tr.model).double()
         worst, counts, losses = 0.0, [], []
         for gs in GLOBAL_STEPS:
@@ -323,7 +324,7 @@ def test_vlseq_train_under_torchrun_matches_one_process_and_resumes_anywhere(tmp
     assert err.count("vlseq-train: synthetic(seed=0): 58 train") == 1  # one log stream: rank 0's
     assert "2 processes x (cpu x2), 4 samples per step" in err and out.count("vlseq-train summary") == 1
     assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == sorted(
-        ["last.pt", "metrics.jsonl"] + (["loss.png"] if cli.matplotlib_available() else []))
+        ["last.pt", "metrics.jsonl"] + (["loss.png"] if importlib.util.find_spec("matplotlib") else []))
     rc = cli.main([*map(str, ["--devices", "cpu:4", *SMALL, "--max-steps", 24, "--checkpoint-dir", tmp_path / "one"])])
     assert rc == 0, capsys.readouterr().err
     a, b = steps(tmp_path / "dist" / "metrics.jsonl"), steps(tmp_path / "one" / "metrics.jsonl")
@@ -380,6 +381,21 @@ def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     assert max(steps(metrics)) == ck["run"]["step"] == ck["trainer"]["global_step"] >= 20
 
 
+def test_distributed_check_runs_on_cpu(tmp_path):
+    """benchmarks/distributed_check.py in its CPU mode (torchrun 2 processes x 1 CPU device, gloo, against
+    1 process x 2): the script behind the 2-GPU check runs end to end, and both modes agree step by step."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "distributed_check.py"), "--out", str(tmp_path),
+                          "--iters", "2", "--repeats", "1", "--timeout", str(LAUNCH_TIMEOUT_S)],
+                         env=base_env(VLSEQ_CHECK_CPU=1), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=3 * LAUNCH_TIMEOUT_S)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["check"]) == {"k1", "k32"} and all(c["ok"] for c in results["check"].values()), results
+    assert results["w2"]["dist"]["processes"] == 2 and results["w2"]["single"]["devices_per_process"] == 2
+    assert all(results["w2"][mode]["samples_per_s"] > 0 for mode in ("single", "dist"))
+    assert "| k1 | 6 |" in res.stdout and "gloo all-reduce" in res.stdout
+
+
 @pytest.mark.requires_2gpu
 def test_nccl_two_processes_match_one_process_on_two_gpus(tmp_path):
     """On 2 GPUs: torchrun 2 processes x 1 GPU (NCCL) against 1 process x 2 GPUs, step by step
@@ -397,7 +413,7 @@ def test_nccl_two_processes_match_one_process_on_two_gpus(tmp_path):
 
 
 def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
-    from vlseq_ext.scheduling import lpt_shard
+    from vlseq_ext.training.scheduling import lpt_shard
 
     rng = np.random.default_rng(0)
     for n in (12, 11, 5, 1):
@@ -414,11 +430,11 @@ def test_lpt_shard_splits_every_global_step_into_balanced_disjoint_shares():
 
 
 def test_distributed_sampler_uses_every_sample_once_per_epoch():
-    from vlseq_ext.samplers import LengthBucketSampler
-    from vlseq_ext.samplers import DistributedLengthSampler
+    from vlseq_ext.data.samplers import DistributedLengthSampler, LengthBucketSampler
+    from vlseq_ext.training.scheduling import lpt_shard
 
     lengths = np.random.default_rng(1).integers(5, 300, 101)
-    samplers = [DistributedLengthSampler(lengths, 2, 2, r, 3, seed=4, bucket_batches=3) for r in range(3)]
+    samplers = [DistributedLengthSampler(lengths, 2, 2, 3, seed=4, bucket_batches=3) for r in range(3)]
     plain = LengthBucketSampler(lengths, 12, seed=4, bucket_batches=3)
     for epoch in range(2):
         for s in samplers:
@@ -427,7 +443,7 @@ def test_distributed_sampler_uses_every_sample_once_per_epoch():
         got = []
         for batches in zip(*samplers, plain):
             assert all(b == batches[-1] for b in batches[:-1])  # the same global step on every rank
-            shares = [s.shard(b) for s, b in zip(samplers, batches)]
+            shares = [[b[i] for i in lpt_shard(lengths[b].tolist(), r, 3, 2, 2)] for r, b in enumerate(batches[:3])]
             assert sorted(i for sh in shares for i in sh) == sorted(batches[-1])
             got += [i for sh in shares for i in sh]
         assert sorted(got) == list(range(101)) and len(samplers[0]) == 9
@@ -436,25 +452,24 @@ def test_distributed_sampler_uses_every_sample_once_per_epoch():
 
 
 def test_sampler_state_resumes_with_another_step_size():
-    from vlseq_ext.samplers import LengthBucketSampler
-    from vlseq_ext.samplers import DistributedLengthSampler
+    from vlseq_ext.data.samplers import DistributedLengthSampler, LengthBucketSampler
 
     lengths = np.random.default_rng(2).integers(5, 300, 57)
-    a = DistributedLengthSampler(lengths, 2, 1, 0, 2, seed=1)  # global steps of 4
+    a = DistributedLengthSampler(lengths, 2, 1, 2, seed=1)  # global steps of 4
     it = iter(a)
     seen = [i for _ in range(5) for i in next(it)]
     b = DistributedLengthSampler(lengths, 3, 2, seed=1)  # 1 process x 2 devices x 3: steps of 6
     b.load_state_dict(a.state_dict())
     it = iter(b)
     seen += [i for _ in range(3) for i in next(it)]
-    c = DistributedLengthSampler(lengths, 1, 1, 1, 4, seed=1)  # again steps of 4, another resize
+    c = DistributedLengthSampler(lengths, 1, 1, 4, seed=1)  # again steps of 4, another resize
     c.load_state_dict(b.state_dict())
     assert c.state_dict()["resized"] == [[4, 5], [6, 3]] and c.position == 0
     rest = list(c)
     seen += [i for bt in rest for i in bt]
     assert sorted(seen) == list(range(57))  # every sample once in the interrupted epoch
     assert all(len(bt) == 4 for bt in rest[:-1]) and len(c) == len(rest)
-    again = DistributedLengthSampler(lengths, 1, 1, 1, 4, seed=1)  # a checkpoint taken there resumes exactly
+    again = DistributedLengthSampler(lengths, 1, 1, 4, seed=1)  # a checkpoint taken there resumes exactly
     again.load_state_dict({**c.state_dict(), "position": 2})
     assert list(again) == rest[2:]
     c.set_epoch(1)  # later epochs follow the new size, as a fresh run would
@@ -464,29 +479,35 @@ def test_sampler_state_resumes_with_another_step_size():
 
 
 def test_single_process_configuration(monkeypatch):
-    from vlseq_ext import ParallelTrainer, SeqModel, distributed
+    from vlseq_ext import ParallelTrainer, SeqModel, distributed, env
 
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", distributed.TIMEOUT_ENV):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", env.DIST_TIMEOUT):
         monkeypatch.delenv(k, raising=False)
     model = SeqModel(3, 4, 1)
     tr = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=["cpu"])
-    assert not hasattr(tr.merger, "collective") and (tr.rank, tr.world_size) == (0, 1)
+    assert type(tr.group) is distributed.ProcessGroup and (tr.group.rank, tr.group.world_size) == (0, 1)
     with pytest.raises(ValueError, match="empty step"):  # only a rank of several may have no sample
         tr.step([], [])
     with pytest.raises(ValueError, match="process_group must be"):
         ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=["cpu"],
                         process_group="nccl")
-    assert distributed.timeout_from_env().total_seconds() == distributed.DEFAULT_TIMEOUT_S
-    monkeypatch.setenv(distributed.TIMEOUT_ENV, "2.5")
-    assert distributed.timeout_from_env().total_seconds() == 2.5
-    monkeypatch.setenv(distributed.TIMEOUT_ENV, "soon")
-    with pytest.raises(distributed.DistributedError, match="VLSEQ_DIST_TIMEOUT='soon'"):
-        distributed.timeout_from_env()
+    alone = distributed.start()
+    assert type(alone) is distributed.ProcessGroup and alone.stop_agreed(True) and not alone.stop_agreed(False)
+    assert env.dist_timeout().total_seconds() == env.DEFAULT_DIST_TIMEOUT_S
+    monkeypatch.setenv(env.DIST_TIMEOUT, "2.5")
+    assert env.dist_timeout().total_seconds() == 2.5
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(distributed.DistributedError, match="RANK, MASTER_ADDR, MASTER_PORT not set"):
-        distributed.init_from_env("gloo")
+        distributed.start()
+    monkeypatch.setenv(env.DIST_TIMEOUT, "soon")
+    with pytest.raises(distributed.DistributedError, match="VLSEQ_DIST_TIMEOUT='soon'"):
+        distributed.start()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(distributed.DistributedError, match="WORLD_SIZE='two' is not an integer"):
+        distributed.start()
+    monkeypatch.delenv("WORLD_SIZE")
     from vlseq_ext.devices import local_share
-    from vlseq_ext.scheduling import sample_length
+    from vlseq_ext.training.scheduling import sample_length
 
     assert local_share() is None  # one process per machine: every GPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

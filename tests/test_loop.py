@@ -1,4 +1,4 @@
-"""vlseq_ext.loop.TrainingLoop, the one training loop of ParallelTrainer.fit and vlseq-train: limits,
+"""vlseq_ext.training.loop.TrainingLoop, the one training loop of ParallelTrainer.fit and vlseq-train: limits,
 stop requests, exact resume mid-epoch, sharding of global steps, callbacks, empty data."""
 import copy
 
@@ -8,9 +8,29 @@ import torch
 from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
-from vlseq_ext.samplers import DistributedLengthSampler, LengthBucketSampler
-from vlseq_ext.loop import Callback, IterableBatches, OrderedBatches, TrainingLoop, fit
-from vlseq_ext.scheduling import lpt_shard
+from vlseq_ext.data.samplers import DistributedLengthSampler, IterableBatches, LengthBucketSampler, OrderedBatches
+from vlseq_ext.training.loop import Callback, TrainingLoop, fit
+from vlseq_ext.training.scheduling import lpt_shard
+
+
+class FakeGroup:
+    """The process group of one rank of `world_size`. The ranks of these tests agree by construction;
+    with several, a stop is agreed once `trainer` has taken `stop_after` steps (as if another rank asked)."""
+
+    def __init__(self, trainer, rank, world_size, stop_after):
+        self.trainer, self.rank, self.world_size, self.stop_after = trainer, rank, world_size, stop_after
+        self.stop_requests = 0
+
+    def request_stop(self):
+        self.stop_requests += 1
+
+    def stop_agreed(self, requested):
+        if self.world_size == 1:
+            return requested
+        return self.stop_after is not None and len(self.trainer.steps) >= self.stop_after
+
+    def check_same(self, what, value, show=True):
+        pass
 
 
 class FakeTrainer:
@@ -21,8 +41,8 @@ class FakeTrainer:
     devices = [torch.device("cpu")]
 
     def __init__(self, rank=0, world_size=1, stop_after=None):
-        self.rank, self.world_size, self.stop_after = rank, world_size, stop_after
-        self.steps, self.stop_requests = [], 0
+        self.group = FakeGroup(self, rank, world_size, stop_after)
+        self.steps = []
 
     @property
     def samples_per_step(self):
@@ -32,17 +52,10 @@ class FakeTrainer:
         self.steps.append([int(y) for y in ys])
         return torch.tensor(1.0)  # the mean loss
 
-    def shard(self, lengths):
-        return lpt_shard(lengths, self.rank, self.world_size, len(self.devices), self.samples_per_device)
-
-    def request_stop(self):
-        self.stop_requests += 1
-
-    def stop_requested(self):
-        return self.stop_after is not None and len(self.steps) >= self.stop_after
-
-    def check_same_on_every_rank(self, what, value, show=True):  # the ranks of these tests agree
-        pass
+    def shard(self, lengths):  # as ParallelTrainer.shard
+        if self.group.world_size == 1:
+            return list(range(len(lengths)))
+        return lpt_shard(lengths, self.group.rank, self.group.world_size, len(self.devices), self.samples_per_device)
 
     @property
     def skipped_steps(self):
@@ -140,7 +153,7 @@ def test_every_rank_trains_its_share_of_the_same_global_steps():
     data, lengths = items(21)
     ranks = [FakeTrainer(rank=r, world_size=3) for r in range(3)]
     for r, tr in enumerate(ranks):
-        sampler = DistributedLengthSampler(lengths, 2, 1, r, 3, seed=5)  # global steps of 6
+        sampler = DistributedLengthSampler(lengths, 2, 1, 3, seed=5)  # global steps of 6
         TrainingLoop(tr, sampler, data.__getitem__, epochs=1).run()
     assert len({len(tr.steps) for tr in ranks}) == 1 == len(ranks[0].steps) // 4  # 4 steps on every rank
     for s in range(4):
@@ -152,13 +165,13 @@ def test_every_rank_trains_its_share_of_the_same_global_steps():
 def test_a_stop_requested_anywhere_stops_every_rank_after_the_same_step():
     data, lengths = items(40)
     tr = FakeTrainer(rank=0, world_size=2, stop_after=3)  # another rank asked: the all-reduce says so
-    loop = TrainingLoop(tr, DistributedLengthSampler(lengths, 2, 1, 0, 2), data.__getitem__, epochs=1)
+    loop = TrainingLoop(tr, DistributedLengthSampler(lengths, 2, 1, 2), data.__getitem__, epochs=1)
     assert loop.run() == "peer" and loop.step == 3
     tr = FakeTrainer(rank=1, world_size=2, stop_after=4)
-    loop = TrainingLoop(tr, DistributedLengthSampler(lengths, 2, 1, 1, 2), data.__getitem__, epochs=1,
+    loop = TrainingLoop(tr, DistributedLengthSampler(lengths, 2, 1, 2), data.__getitem__, epochs=1,
                         callbacks=[Recorder(stop_at=2)])
     assert loop.run() == "test" and loop.step == 4  # this rank asked at step 2; all agree after step 4
-    assert tr.stop_requests == 2  # the request rides in steps 3 and 4
+    assert tr.group.stop_requests == 1  # (the group carries it in every later step's all-reduce)
 
 
 def test_iterable_batches_resume_by_skipping():

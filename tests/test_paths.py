@@ -131,9 +131,11 @@ def test_cpu_lanes_share_weights_after_steps():
     assert_close_to(model, ref, 1e-5)
 
 
-def test_cpu_threaded_steps_repeat_bit_for_bit():
-    """A race between device threads would move the bits: 1,000 merges of the same step must all
-    be identical (and equal the float64 reference)."""
+def test_cpu_steps_repeat_bit_for_bit():
+    """The same step merged again gives the same bits (and the float64 reference): lanes fold and
+    devices merge in a fixed order. CPU replicas run one after the other on the caller's thread
+    (workers.py), so there is no race to provoke here: 20 repeats show the order is fixed, and the
+    GPU stress test below repeats 1,000 threaded steps."""
     gen = torch.Generator().manual_seed(9)
     model = SeqModel(input_dim=6, hidden_dim=8)
     xs, ys = batch(6, gen, max_len=12)
@@ -143,7 +145,7 @@ def test_cpu_threaded_steps_repeat_bit_for_bit():
     trainer.compute_gradients(xs, ys)
     first = grads_of(model)
     assert_close_to(model, ref, 1e-5)
-    for i in range(1000):
+    for i in range(20):
         trainer.compute_gradients(xs, ys)
         for a, b in zip(first, model.parameters()):
             assert torch.equal(a, b.grad), f"merge {i} differs"
@@ -341,7 +343,7 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
 
 
 def test_slow_plan_note_names_wide_one_sample_models_only():
-    from vlseq_ext.execution import slow_plan_note
+    from vlseq_ext.training.execution import slow_plan_note
     wide, narrow = OneSampleLSTM(hidden=256), OneSampleLSTM(hidden=64)
     note = slow_plan_note("per_sample", wide, 32, "auto", True)
     assert "recurrent width is 256" in note and "forward_padded" in note and "32 samples per GPU" in note

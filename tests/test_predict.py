@@ -24,9 +24,9 @@ needs_aeon = pytest.mark.skipif(importlib.util.find_spec("aeon") is None,
                                 reason="aeon is not installed (pip install 'vlseq_ext[ts]')")
 
 
-# One CPU thread; full fp32 on GPUs (no_tf32: cuDNN's default TF32 would differ from the CPU reference
-# by ~1e-4), so predictions on any device compare with the CPU forward at fp32 tolerances.
-pytestmark = pytest.mark.usefixtures("one_thread", "no_tf32")
+# Full fp32 on GPUs (no_tf32: cuDNN's default TF32 would differ from the CPU reference by ~1e-4), so
+# predictions on any device compare with the CPU forward at fp32 tolerances.
+pytestmark = pytest.mark.usefixtures("no_tf32")
 
 
 def sequences(n, d, seed):
@@ -42,7 +42,6 @@ def trained(tmp_path_factory):
     data.save_ragged(root / "reg.npz", seqs, np.stack([[s.mean(), s[-1, 0]] for s in seqs]))
     cseqs = sequences(24, 4, 1)
     data.save_ragged(root / "cls.npz", cseqs, np.arange(24) % 3)
-    torch.set_num_threads(1)
     for name in ("reg", "cls"):
         rc = cli.main([*TRAIN, "--data", str(root / f"{name}.npz"), "--checkpoint-dir", str(root / name)])
         assert rc == 0

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlseq_ext import ops
-from vlseq_ext.replicas import GradientMerger
+from vlseq_ext.training.replicas import GradientMerger
 from vlseq_ext.models import SeqModel
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")

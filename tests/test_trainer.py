@@ -12,7 +12,7 @@ from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
 from vlseq_ext.devices import parse_devices
-from vlseq_ext.scheduling import assign_lpt
+from vlseq_ext.training.scheduling import assign_lpt
 
 requires_2gpu = pytest.mark.requires_2gpu  # skip logic in conftest.py
 
@@ -308,9 +308,16 @@ def test_bad_constructor_arguments(monkeypatch):
                        (dict(lanes=True), "lanes must be None or a positive int, got True"),
                        (dict(pack=1), "pack must be 'auto', True or False, got 1"),
                        (dict(pack=0), "pack must be 'auto', True or False, got 0"),
-                       (dict(pack=torch.tensor(1)), "pack must be 'auto', True or False")):
+                       (dict(pack=torch.tensor(1)), "pack must be 'auto', True or False"),
+                       (dict(cuda_graphs=1), "cuda_graphs must be True or False, got 1"),
+                       (dict(amp="fp16"), "amp must be None or 'bf16', got 'fp16'"),
+                       (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be None or a positive number"),
+                       (dict(graph_cache_size=0), "graph_cache_size must be a positive int, got 0")):
         with pytest.raises(ValueError, match=re.escape(expect)):
             ParallelTrainer(model, opt, nn.MSELoss(), devices=["cpu"], **kw)
+    with pytest.raises(TypeError, match="ParallelTrainer has no option 'sample_per_device'; its options are "
+                                        "accumulation_steps, amp, "):
+        ParallelTrainer(model, opt, nn.MSELoss(), devices=["cpu"], sample_per_device=2)
     with pytest.raises(ValueError, match="mixes CPU and CUDA|does not exist"):
         parse_devices(["cpu", "cuda:0"])
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)

@@ -10,12 +10,13 @@ Specs (a string, as on the command line, or the same as a Python value):
 """
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
+
+from . import env
 
 DeviceLike = Union[str, int, torch.device]
 DeviceSpec = Union[None, str, int, torch.device, Sequence[DeviceLike]]
@@ -31,10 +32,10 @@ def local_share() -> Optional[List[torch.device]]:
     """The GPUs of this process when several processes run on one machine (torchrun's
     LOCAL_WORLD_SIZE > 1): process LOCAL_RANK takes its share of the visible GPUs, e.g. cuda:LOCAL_RANK
     for one process per GPU. None for one process per machine."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    launch = env.launch()
+    local_world, local_rank = launch.local_world_size, launch.local_rank
     if local_world <= 1:
         return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     n = visible_gpus()
     if n == 0:
         return [torch.device("cpu")]

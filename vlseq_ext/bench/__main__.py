@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from .. import env
 from ..devices import parse_devices
 from . import diag, flatten, merge, rnn, sweep, sweep_report, train
 from .processes import run_ddp
@@ -136,13 +137,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
 
-    # No NVLink multicast (NCCL's NVLS), here and in the worker processes: it stays off on the lent GPU machines.
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    env.disable_nvls()  # here and in the worker processes
     try:
         devices = bench_devices(args.devices)
     except ValueError as exc:
         ap.error(f"--{exc}")  # "--devices '2': asks for the first 2 GPUs but 0 are visible; ..."
     cuda = devices[0].type == "cuda"
+    budget = Budget.make(args.quick, args.repeats, args.sweep_deadline, cpu=not cuda)
     if not cuda:
         # One intra-op thread: the CPU "devices" share the cores anyway (as do the gloo DDP processes,
         # one thread each), and OpenMP regions on a busy machine turn microseconds into milliseconds.
@@ -154,7 +155,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     except OSError as exc:
         ap.error(f"--out {args.out}: cannot write there: {exc.strerror or exc}")
-    budget = Budget.make(args.quick, args.repeats, args.sweep_deadline)
     res = Results(collect_meta(devices, argv, args.quick, args.suite))
     say = tqdm.write
     say(f"vlseq-bench: {len(devices)} x {devices[0].type} ({', '.join(map(str, devices))}), suite {args.suite}"

@@ -201,7 +201,7 @@ def build_vlseq(make_model, devices, k, pool, *, cuda_graphs: bool = True, fused
                 **trainer_kw) -> Loop:
     """Our ParallelTrainer, constructed as its docstring shows (plain Adam); CUDA graphs
     pre-captured for the pool's lengths by trainer.warmup, counted in setup_s."""
-    from ..trainer import ParallelTrainer
+    from ..training.trainer import ParallelTrainer
     model = make_model().to(devices[0])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused_adam else _adam(model)
     trainer = ParallelTrainer(model, opt, nn.MSELoss(), devices=[str(d) for d in devices],

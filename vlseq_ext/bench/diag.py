@@ -38,7 +38,8 @@ import torch
 import torch.cuda.nccl  # noqa: F401  (not imported by `import torch`)
 from torch import nn
 
-from .. import GradientMerger, ops
+from .. import ops
+from ..training.replicas import GradientMerger
 from ..models import SeqModel
 from . import limits
 from .baselines import Feeder, make_pool
@@ -254,7 +255,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
 
 
 def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
-    from ..trainer import ParallelTrainer
+    from ..training.trainer import ParallelTrainer
     from .sweep_points import ModelSpec, make_model
     model = make_model(ModelSpec("lstm", 256, 2), "one").to(device)
     trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), nn.MSELoss(),
@@ -279,7 +280,7 @@ def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
 def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Budget) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from ..trainer import ParallelTrainer
+    from ..training.trainer import ParallelTrainer
     cuda = devices[0].type == "cuda"
     torch.manual_seed(0)
     model = SeqModel().to(devices[0])

@@ -31,7 +31,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..graphs import padded_length
+from ..training.graphs import padded_length
 from .baselines import Feeder, make_pool
 from .results import Results, Task, fmt
 from .sweep import point_trainer

@@ -14,7 +14,8 @@ import torch
 import torch.cuda.comm  # noqa: F401  (not imported by `import torch`)
 from torch import Tensor
 
-from .. import GradientMerger, ops, reference
+from .. import ops, reference
+from ..training.replicas import GradientMerger
 from ..models import SeqModel
 from .results import SIZES, Results, Task
 from .timing import Budget, stats, synchronizer, time_loop

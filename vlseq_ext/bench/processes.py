@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from .. import env
 from .baselines import ddp_job
 from .sweep import mp_job
 from .timing import synchronizer
@@ -46,7 +47,7 @@ def run_ddp(jobs: List[dict], devices: Sequence[torch.device], timeout_s: float)
     cuda = devices[0].type == "cuda"
     backend = "nccl" if cuda else "gloo"
     ids = [d.index for d in devices] if cuda else [None] * world
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines; inherited by the children
+    env.disable_nvls()  # inherited by the children
     failure = ""
     with tempfile.TemporaryDirectory(prefix="vlseq-bench-ddp-") as tmp:
         ctx = mp.start_processes(ddp_worker, args=(world, free_port(), backend, ids, jobs, tmp),
@@ -100,7 +101,7 @@ def ddp_worker(rank: int, world: int, port: int, backend: str, ids: List, jobs: 
         dev = torch.device("cuda", ids[rank])
     else:
         dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(1)  # as the bench's own process on CPU (__main__): tiny ops, shared cores
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     flag = torch.zeros(1, dtype=torch.int64, device=dev)

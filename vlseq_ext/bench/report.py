@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .. import env
 from . import diag, rnn, sweep_report
 from .results import SCHEMA_VERSION, SIZES, Results, fmt, lookup
 from .targets import evaluate_targets
@@ -55,7 +56,7 @@ def collect_meta(devices: Sequence[torch.device], argv: List[str], quick: bool, 
         "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "extension_loaded": ops.has_extension(), "extension_cuda_kernels": ops.has_cuda_kernels(),
-        "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "env": env.bench_snapshot(),
     }
 
 

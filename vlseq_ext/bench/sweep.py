@@ -46,7 +46,6 @@ targets are vlseq >= 1.3x DDP, >= 1.8x vlseq_1gpu and >= 1.0x one_gpu_best.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -62,7 +61,6 @@ from .results import Results, Skip, Task
 from .sweep_points import FORMS, TARGETS, ModelSpec, Plan, make_model, param_count, plan_for, point_name
 from .timing import Budget, synchronizer, time_loop
 
-CPU_TIME_SCALE = 0.2  # CPU runs are smoke runs of tiny models: a fifth of the timed seconds per repeat
 ONE_GPU_LOOPS_FUSED = False  # the plain one-GPU loops' Adam (ours and DDP's are fused on GPUs)
 
 
@@ -88,7 +86,7 @@ def _per_sample_step(model: nn.Module, opt: torch.optim.Optimizer, feed: Feeder,
 def point_trainer(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.device], fused: bool,
                   process_group: Any = None) -> Any:
     """Our trainer as the sweep runs it at a point (also what diag.limits profiles)."""
-    from ..trainer import ParallelTrainer
+    from ..training.trainer import ParallelTrainer
     model = make_model(spec, form).to(devices[0])
     return ParallelTrainer(model, _adam(model, fused), nn.MSELoss(), devices=[str(d) for d in devices],
                            samples_per_device=k, reduction="sum", cuda_graphs=True, pack="auto",
@@ -189,9 +187,6 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     cuda = devices[0].type == "cuda"
     n = len(devices)
     plan = plan_for(cuda, budget.quick)
-    if not cuda:
-        budget = dataclasses.replace(budget, sweep_target_s=budget.sweep_target_s * CPU_TIME_SCALE,
-                                     sweep_warmup_s=budget.sweep_warmup_s * CPU_TIME_SCALE)
     ddp_name = "ddp_nccl" if cuda else "ddp_gloo"
     fused = cuda  # our trainer's and DDP's optimizer
     loops_fused = cuda and ONE_GPU_LOOPS_FUSED

@@ -86,6 +86,9 @@ def time_loop(fn: Callable[[], object], sync: Callable[[], None], *, repeats: in
     return out
 
 
+CPU_TIME_SCALE = 0.2
+
+
 @dataclass
 class Budget:
     """Repeat counts and per-repeat durations: the knobs that set how long a run takes."""
@@ -108,12 +111,18 @@ class Budget:
     sweep_mp_deadline_s: float = 300.0
 
     @classmethod
-    def make(cls, quick: bool, repeats: Optional[int] = None, sweep_deadline_s: Optional[float] = None) -> "Budget":
+    def make(cls, quick: bool, repeats: Optional[int] = None, sweep_deadline_s: Optional[float] = None,
+             cpu: bool = False) -> "Budget":
+        """cpu: the CPU versions of the suites, smoke runs of the machinery on tiny models (no target
+        is measured on a CPU): a fifth of the seconds per repeat and of the sweep's warm-up."""
         if quick:
             b = cls(True, 5, 3, 0.02, 0.02, 0.2, sweep_repeats=3, sweep_target_s=0.1, sweep_warmup_s=1.0,
                     sweep_deadline_s=150.0, sweep_mp_deadline_s=100.0)
         else:
             b = cls(False, 7, 5, 0.1, 0.05, 0.8)
+        if cpu:
+            for name in ("seed_target_s", "flat_target_s", "train_target_s", "sweep_target_s", "sweep_warmup_s"):
+                setattr(b, name, getattr(b, name) * CPU_TIME_SCALE)
         if repeats:
             b.merge_repeats = b.train_repeats = b.sweep_repeats = repeats
         if sweep_deadline_s is not None:  # a slow or shared machine: the guard moves, the worker share stays 5/7

@@ -25,11 +25,16 @@ from ..data import DataError, RaggedDataset, check_file as check_data_file, load
 from ..devices import parse_devices
 from ..files import write_atomically
 from .._version import __version__
-from .checks import CLIError, check_file, check_outputs_distinct
+from .checks import CLIError, check_file
+from .file_rules import check_outputs_distinct, refuse
 from .reporting import one_line_warnings
 
 PROG = "vlseq-predict"
 OUT_FORMATS = ("npy", "csv")
+# What vlseq-predict tells a user to do about the data errors that name a library parameter: training
+# may skip a sample, a prediction needs every row.
+DATA_HINTS = {"drop_nonfinite": "every sample to predict needs finite values",
+              "data": "--data takes a .npz or .ts file"}
 
 LAYOUT = """output layouts (row i is sample i of --data, in file order):
   regression       .npy: float32 array (N, O), the predicted values
@@ -86,12 +91,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
                            + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
     for flag, path in paths:
         if path.exists() and not args.overwrite:
-            raise CLIError(f"{flag} {path} already exists: pass --overwrite to replace it, or choose another file")
+            refuse("predict-outputs", flag=flag, path=path)
 
 
 def _load_data(args: argparse.Namespace, meta: Dict[str, Any]) -> RaggedDataset:
     path = Path(args.data)
-    check_data_file(path, " (--data takes a .npz or .ts file)")
+    check_data_file(path)
     task, classes = meta["task"], int(meta["output_dim"])
     if path.suffix.lower() == ".ts":
         names = meta.get("class_names") if task == "classification" else None
@@ -209,13 +214,7 @@ def predict(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise CLIError(f"--checkpoint: {exc}") from None
     meta = ckpt["data"]
-    try:
-        ds = _load_data(args, meta)
-    except DataError as exc:  # training may skip such samples; a prediction needs every row
-        raise DataError(str(exc).replace("pass --drop-nonfinite to skip them",
-                                         "every sample to predict needs finite values")
-                        .replace("pass --drop-nonfinite to skip such samples",
-                                 "every sample to predict needs finite values")) from None
+    ds = _load_data(args, meta)
     if args.metrics and not ds.has_targets:
         raise CLIError(f"--metrics needs targets, and {args.data} has none")
     model = build_model(ckpt["config"], meta)
@@ -248,8 +247,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with one_line_warnings(PROG):
             return predict(args)
-    except (CLIError, DataError) as exc:
+    except CLIError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except DataError as exc:
+        print(f"{PROG}: error: {exc.with_hint(DATA_HINTS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: {args.out} was not written", file=sys.stderr)

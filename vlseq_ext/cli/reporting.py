@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..files import is_stream, write_atomically
 from .checks import CLIError
+from .file_rules import refuse
 
 
 @contextlib.contextmanager
@@ -58,19 +59,18 @@ class MetricsFile:
 
 def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
     """Open the metrics file for appending. On resume, records after the checkpoint's step are
-    dropped first (atomically), so the file reads as one uninterrupted run; otherwise it starts empty.
-    A stream (/dev/null, a FIFO) is only appended to. A file that is not a metrics file is refused
-    (CLIError) rather than rewritten: a resume with --metrics notes.txt would have kept only JSON."""
+    dropped first (file rule resume-trims-metrics); otherwise it starts empty. A stream (/dev/null, a
+    FIFO) is only appended to (streams). A file that is not a metrics file is refused rather than
+    rewritten (resume-not-metrics): a resume with --metrics notes.txt would have kept only JSON."""
     if is_stream(path):  # append: a second offset on stdout's file would write over what else is printed there
         return open(path, "a", encoding="utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.exists():
         return open(path, "w", encoding="utf-8")
-    not_metrics = f"--metrics {path} is not a vlseq-train metrics file"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise CLIError(f"{not_metrics} (not UTF-8 text); resuming would rewrite it: choose another --metrics") from None
+        refuse("resume-not-metrics", path=path, why="not UTF-8 text")
     keep = []
     for i, line in enumerate(lines):
         try:
@@ -80,8 +80,7 @@ def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
                 continue
             rec = None
         if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and "type" in rec):
-            raise CLIError(f"{not_metrics} (line {i + 1} is not one of its records); resuming would rewrite it: "
-                           "choose another --metrics")
+            refuse("resume-not-metrics", path=path, why=f"line {i + 1} is not one of its records")
         if rec["step"] <= resume_step:
             keep.append(line + "\n")
     write_atomically(path, lambda fh: fh.write("".join(keep)), text=True)
@@ -148,14 +147,14 @@ class Reporter:
     """Progress bar (a TTY and not --quiet) or periodic log lines, plus the JSON Lines metrics file.
     Step losses stay on the device until a flush, so the hot loop has no host sync of its own."""
 
-    def __init__(self, cfg: Dict[str, Any], total: Optional[int], state: RunState, trainer: Any,
-                 metrics: MetricsFile, main: bool = True) -> None:
+    def __init__(self, total: Optional[int], state: RunState, trainer: Any, metrics: MetricsFile, main: bool,
+                 quiet: bool, log_interval: float) -> None:
         self.state, self.trainer, self.metrics = state, trainer, metrics
         self.main = main  # [distributed] only rank 0 shows progress and writes log lines
-        self.log_interval = float(cfg["log_interval"])
+        self.log_interval = log_interval
         self.total = total
         self.bar = None
-        if main and not cfg["quiet"] and sys.stderr.isatty():
+        if main and not quiet and sys.stderr.isatty():
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr)
         self.pending: List[Tuple[int, int, Tensor, Optional[Tensor], int, float]] = []
@@ -320,12 +319,13 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def summary_rows(run: Any, wall: float, plot_note: str) -> List[Tuple[str, str]]:
-    """The rows of the final summary of a Run (cli.run.Run)."""
+def summary_rows(run: Any, samples_done: int, wall: float, plot_note: str) -> List[Tuple[str, str]]:
+    """The rows of the final summary of a Run (cli.run.Run) that trained `samples_done` samples in `wall`
+    seconds this session."""
     h, data, loop = run.state.history, run.data, run.loop
     rows = [("data", f"{data.name}: {len(data)} train / {len(run.val) if run.val else 0} validation samples"),
             ("model", describe_model(run.model)),
-            ("devices", f"{run.devices_desc}, {plural(run.samples_per_step, 'sample')} per step"),
+            ("devices", f"{run.devices_text()}, {plural(run.samples_per_step, 'sample')} per step"),
             ("steps", f"{loop.step} ({plural(loop.epoch, 'epoch')}"
                       f"{f' + {loop.position} batches' if loop.position else ''}), "
                       f"{run.trainer.skipped_steps} skipped as non-finite")]
@@ -344,9 +344,9 @@ def summary_rows(run: Any, wall: float, plot_note: str) -> List[Tuple[str, str]]
             rows.append(("val loss", f"{vals[-1]:.4g} (never finite)"))
     if h["val_accuracy"] and h["val_accuracy"][-1] is not None:
         rows.append(("val accuracy", f"{100 * h['val_accuracy'][-1]:.1f}% (chance {100 / data.output_dim:.1f}%)"))
-    rows += [("throughput", f"{run.samples_done / max(wall, 1e-9):,.0f} samples/s ({wall:.1f} s this session)"),
+    rows += [("throughput", f"{samples_done / max(wall, 1e-9):,.0f} samples/s ({wall:.1f} s this session)"),
              ("warm-up", warm_up_text(run.trainer)),
-             ("checkpoint", str(run.ckpt_path)), ("metrics", run.cfg["metrics"]), ("plot", plot_note)]
+             ("checkpoint", str(run.checkpoint_path)), ("metrics", run.config.metrics), ("plot", plot_note)]
     return rows
 
 

@@ -1,17 +1,22 @@
-"""Resumable length-bucketed samplers: batches of similar lengths for one process
-(LengthBucketSampler), and global steps shared by several processes, each rank taking its
-longest-first share (DistributedLengthSampler). Their state_dict holds (epoch, position), so a
-checkpoint resumes exactly where it was, on any world size."""
+"""Every sampler of vlseq_ext: which samples form each step, resumably. Length-bucketed batches for
+vlseq-train (LengthBucketSampler, and DistributedLengthSampler: global steps that several processes
+share, resumable with another step size), and consecutive steps for ParallelTrainer.fit
+(OrderedBatches over an indexable dataset, IterableBatches over an iterable one).
+
+All follow the protocol of vlseq_ext.training.loop: attributes `epoch` and `position` (batches of
+this epoch handed out), `__iter__` over the rest of the epoch, `set_epoch`, `state_dict` /
+`load_state_dict`, and `__len__` or `epoch_over()`. A state holds (epoch, position), so a checkpoint
+resumes exactly where it was."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
-from .scheduling import lpt_shard
 
-__all__ = ["LengthBucketSampler", "DistributedLengthSampler"]
+__all__ = ["LengthBucketSampler", "DistributedLengthSampler", "OrderedBatches", "IterableBatches"]
 
 
 class LengthBucketSampler(Sampler[List[int]]):
@@ -92,13 +97,11 @@ class LengthBucketSampler(Sampler[List[int]]):
 
 
 class DistributedLengthSampler(LengthBucketSampler):
-    """LengthBucketSampler over global steps, plus each rank's balanced share of them.
-
-    Iterating yields the global steps: batches of world_size x devices_per_rank x
-    samples_per_device sample indices, the same on every rank (same lengths, seed and epoch);
-    `shard(batch)` is this rank's part, longest-first over all ranks' devices (lpt_shard). Every
-    sample is used once per epoch; the last step may be short, leaving some ranks few or no
-    samples. With world_size=1 it is exactly LengthBucketSampler(lengths, devices x k).
+    """LengthBucketSampler over global steps: batches of world_size x devices_per_rank x
+    samples_per_device sample indices, the same on every rank (same lengths, seed and epoch); each
+    rank trains its share (ParallelTrainer.shard). Every sample is used once per epoch; the last step
+    may be short, leaving some ranks few or no samples. With world_size=1 it is exactly
+    LengthBucketSampler(lengths, devices x k).
 
     Checkpoints (state_dict) hold the global step size and position only, so they resume on any
     world size: with the same global step size the run continues exactly; with another one, the
@@ -106,25 +109,16 @@ class DistributedLengthSampler(LengthBucketSampler):
     of the new size, and later epochs follow the new size.
     """
 
-    def __init__(self, lengths: Sequence[int], samples_per_device: int, devices_per_rank: int = 1, rank: int = 0,
+    def __init__(self, lengths: Sequence[int], samples_per_device: int, devices_per_rank: int = 1,
                  world_size: int = 1, shuffle: bool = True, seed: int = 0, bucket_batches: int = 50,
                  drop_last: bool = False) -> None:
         if min(samples_per_device, devices_per_rank, world_size) < 1:
             raise ValueError("samples_per_device, devices_per_rank and world_size must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
         super().__init__(lengths, samples_per_device * devices_per_rank * world_size, shuffle=shuffle, seed=seed,
                          bucket_batches=bucket_batches, drop_last=drop_last)
-        self.samples_per_device, self.devices_per_rank = samples_per_device, devices_per_rank
-        self.rank, self.world_size = rank, world_size
         # Earlier parts of the current epoch that ran with other step sizes: [(batch_size, batches used)].
         self.resized: List[Tuple[int, int]] = []
         self._cache: Optional[Tuple[Any, List[List[int]]]] = None
-
-    def shard(self, batch: Sequence[int]) -> List[int]:
-        """This rank's sample indices of the global step `batch`."""
-        return [batch[i] for i in lpt_shard(self.lengths[list(batch)].tolist(), self.rank, self.world_size,
-                                            self.devices_per_rank, self.samples_per_device)]
 
     def _cut(self, order: List[int], bs: int) -> List[List[int]]:
         out = [order[i:i + bs] for i in range(0, len(order), bs)]
@@ -173,3 +167,88 @@ class DistributedLengthSampler(LengthBucketSampler):
             resized.append((saved_bs, position))
             position = 0
         self.epoch, self.position, self.resized, self._cache = epoch, position, resized, None
+
+
+class OrderedBatches:
+    """Resumable steps of `batch_size` consecutive indices 0..num_samples-1 (the last may be short),
+    in order, or with shuffle=True in the order torch.randperm(num_samples) draws from a generator
+    seeded with seed + epoch."""
+
+    def __init__(self, num_samples: int, batch_size: int, shuffle: bool = False, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.num_samples, self.batch_size, self.shuffle, self.seed = int(num_samples), int(batch_size), shuffle, seed
+        self.epoch = self.position = 0
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def order(self, epoch: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        epoch, order, bs = self.epoch, self.order(self.epoch), self.batch_size
+        while self.epoch == epoch and self.position < len(self):
+            self.position += 1
+            yield order[(self.position - 1) * bs:self.position * bs]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
+                "num_samples": self.num_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for key, mine in (("batch_size", self.batch_size), ("num_samples", self.num_samples)):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {mine}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class IterableBatches:
+    """Resumable steps of `batch_size` consecutive items of an iterable that is read again every
+    epoch (a DataLoader, a generator-backed dataset): the batches hold the items themselves (use
+    get_item=lambda item: item). It reads one item ahead, so it knows at the last batch that the
+    epoch is over. Resuming at position p re-reads and skips the first p batches."""
+
+    def __init__(self, data: Any, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.data, self.batch_size = data, int(batch_size)
+        self.epoch = self.position = 0
+        self._over = False
+
+    def epoch_over(self) -> bool:
+        return self._over
+
+    def __iter__(self) -> Iterator[List[Any]]:
+        epoch, it = self.epoch, iter(self.data)
+        sentinel = object()
+        nxt = next(it, sentinel)
+        for _ in range(self.position * self.batch_size):  # resume: skip what was trained on
+            if nxt is sentinel:
+                break
+            nxt = next(it, sentinel)
+        self._over = nxt is sentinel
+        while self.epoch == epoch and not self._over:
+            batch = []
+            while nxt is not sentinel and len(batch) < self.batch_size:
+                batch.append(nxt)
+                nxt = next(it, sentinel)
+            self._over = nxt is sentinel
+            self.position += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position, self._over = int(epoch), 0, False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "batch_size" in state and int(state["batch_size"]) != self.batch_size:
+            raise ValueError(f"sampler state has batch_size={state['batch_size']}, this sampler has {self.batch_size}")
+        self.epoch, self.position, self._over = int(state["epoch"]), int(state["position"]), False

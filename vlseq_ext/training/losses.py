@@ -1,9 +1,10 @@
 """Per-sample losses from a user's loss function, so that k samples run as one batch give exactly
-the loss (and gradient) of k single-sample passes."""
+the loss (and gradient) of k single-sample passes; and the one forward + loss + backward body that
+every plan runs, eagerly or inside a CUDA graph."""
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -77,3 +78,18 @@ def stack_targets(targets: Sequence[Tensor], output_dim: int) -> Tensor:
         else:
             rows.append(t.squeeze(0) if t.dim() > 0 and t.shape[0] == 1 else t)
     return torch.stack(rows)
+
+
+# A lane's pass: run(forward, targets) with the lane's loss sum bound (execution.DeviceRunner._pass).
+StepPass = Callable[[Callable[[], Tensor], Tensor], None]
+
+
+def forward_backward(forward: Callable[[], Tensor], targets: Tensor, *, per_sample_loss: PerSampleLoss,
+                     autocast: Callable[[], ContextManager], loss_sum: Tensor) -> None:
+    """forward() under autocast, the loss of every sample (targets: one row per output row) summed,
+    backward into the parameters' .grad, and the loss added to `loss_sum`."""
+    with autocast():
+        out = forward()
+    loss = per_sample_loss(loss_precision(out), targets).sum()
+    loss.backward()
+    loss_sum.add_(loss.detach())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,7 +27,20 @@ F32_EXACT_INT = 2 ** 24  # float32 holds every integer up to this exactly; beyon
 
 
 class DataError(ValueError):
-    """Bad input data. The message is one line naming the file or sample and what is wrong."""
+    """Bad input data: one line naming the file or sample and what is wrong (`problem`). `option`: the
+    keyword argument the problem is about, when one would change the outcome ("drop_nonfinite",
+    "val_fraction", "task", "data"); str() then ends with `hint`, the library's advice in its terms, and a
+    command gives its own advice in its terms instead (with_hint)."""
+
+    def __init__(self, problem: str, option: Optional[str] = None, hint: str = "") -> None:
+        super().__init__(f"{problem}; {hint}" if hint else problem)
+        self.problem, self.option, self.hint = problem, option, hint
+
+    def with_hint(self, hints: Mapping[str, str]) -> str:
+        """The message with the caller's advice for `option` (hints[option]) in place of the library's."""
+        if self.option in hints:
+            return f"{self.problem}; {hints[self.option]}"
+        return str(self)
 
 
 class RaggedDataset(Dataset):
@@ -165,9 +178,9 @@ def _warn_int_rounding(raw: np.ndarray, out: np.ndarray, name: str, what: str,
                       f"{largest} at sample {sample_of(pos)}); scale or offset them first", UserWarning, stacklevel=3)
 
 
-def _overflow_message(name: str, i: int, value: float, where: str, more: str = "", hint: str = "") -> str:
+def _overflow_message(name: str, i: int, value: float, where: str, more: str = "") -> str:
     return (f"{name}: sample {i} has the value {value:.4g} {where}, which overflows float32 (the training dtype; "
-            f"largest {F32_MAX:.4g}){more}; rescale the data{hint}")
+            f"largest {F32_MAX:.4g}){more}; rescale the data")
 
 
 def float32_values(values: np.ndarray, offsets: np.ndarray, name: str) -> np.ndarray:
@@ -264,10 +277,10 @@ def build_dataset(values: np.ndarray, offsets: np.ndarray, targets: Optional[np.
         else:
             flag, raw = (t_over[i] if t_over is not None else None), raw_targets.reshape(n, -1)[i]
         if flag is not None and flag.any():
-            raise DataError(_overflow_message(name, i, raw[int(np.argmax(flag))], _where(rows), more,
-                                              ", or pass --drop-nonfinite to skip such samples"))
-        raise DataError(f"{name}: sample {i} has a non-finite value (NaN or inf) {_where(rows)}"
-                        f"{more}; pass --drop-nonfinite to skip them")
+            problem = _overflow_message(name, i, raw[int(np.argmax(flag))], _where(rows), more)
+        else:
+            problem = f"{name}: sample {i} has a non-finite value (NaN or inf) {_where(rows)}{more}"
+        raise DataError(problem, "drop_nonfinite", "pass drop_nonfinite=True to skip such samples")
     if dropped:
         keep = ~bad
         if not keep.any():

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets", "check_lengths",
-           "check_trainer_options"]
+__all__ = ["model_input_dim", "as_tensor", "check_samples", "check_targets", "check_lengths", "place_model"]
 
 
 def model_input_dim(model: nn.Module) -> Optional[int]:
@@ -105,26 +104,21 @@ def check_lengths(lengths: Any, what: str) -> List[int]:
     return out
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1  # (True would pass for 1)
-
-
-def check_trainer_options(reduction, samples_per_device, amp, nonfinite, accumulation_steps, pack, clip_grad_norm,
-                          lanes) -> None:
-    """ParallelTrainer's options, each refused by name when it is out of range."""
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if not _positive_int(samples_per_device):
-        raise ValueError(f"samples_per_device must be a positive int, got {samples_per_device!r}")
-    if amp not in (None, "bf16"):
-        raise ValueError(f"amp must be None or 'bf16', got {amp!r}")
-    if nonfinite not in ("skip", "raise", "ignore"):
-        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
-    if not _positive_int(accumulation_steps):
-        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    if not (pack is True or pack is False or (isinstance(pack, str) and pack == "auto")):  # (1 and 0 pass `in`)
-        raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm!r}")
-    if lanes is not None and not _positive_int(lanes):
-        raise ValueError(f"lanes must be None or a positive int, got {lanes!r}")
+def place_model(model: nn.Module, optimizer: torch.optim.Optimizer, devices: List[torch.device]) -> None:
+    """The model and its optimizer must fit the trainer: parameters on one device, the optimizer over
+    the model's own. A model outside `devices` moves to devices[0] while its optimizer holds no state."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("the model has no parameters")
+    owned = {id(p) for p in params}
+    if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds a parameter that is not one of the model's; "
+                         "build it over model.parameters()")
+    where = params[0].device
+    if any(p.device != where for p in params):
+        raise ValueError("the model's parameters are on several devices; put the model on one device")
+    if where not in devices:
+        if optimizer.state:
+            raise ValueError(f"the model is on {where}, which is not in devices, and the optimizer "
+                             "already holds state there; move the model before building the optimizer")
+        model.to(devices[0])

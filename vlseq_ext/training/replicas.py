@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import ops
+from .. import ops
 
 __all__ = ["Lane", "ReplicaSet", "GradientMerger", "check_param_lists"]
 
@@ -187,12 +187,18 @@ class ReplicaSet:
             torch._foreach_add_(first, lane.grads + [lane.loss])
             torch._foreach_zero_(lane.grads + [lane.loss])
 
-    def merge_lists(self) -> ops.DeviceLists:
-        """Lane 0 of every device, the master's first: what the merge kernel reduces."""
+    def zero_losses(self) -> None:
+        """Zero lane 0's loss on every device (a later call of an accumulation window: its own loss)."""
+        for lanes in self.lanes:
+            lanes[0].loss.zero_()
+
+    def merge_into_master(self, scale: float) -> None:
+        """The master's lane 0 <- scale x the sum of every device's lane 0 (gradients and loss, in device
+        order, the master's first), the other devices' zeroed: one kernel (ops.reduce_tensors_)."""
         if self._merge_lists is None:
             order = [self.master_index] + [i for i in range(len(self.devices)) if i != self.master_index]
             self._merge_lists = ops.DeviceLists([self.lanes[i][0].grads + [self.lanes[i][0].loss] for i in order])
-        return self._merge_lists
+        ops.reduce_tensors_(self._merge_lists, scale, zero_others=True)
 
     def broadcast_parameters(self) -> None:
         """Copy the master's parameters into every other replica (and so into their lanes), over the

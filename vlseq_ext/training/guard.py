@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from .. import ops
 
 __all__ = ["StepGuard"]
 

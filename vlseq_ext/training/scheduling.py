@@ -1,23 +1,13 @@
-"""Who runs what: samples to devices by length (LPT), each process's share of a global step, and
-how k samples of one device run (packed batch, padded graph, or one graph replay per sample).
-
-Pure functions of lengths and model shapes: no devices, no process groups, so the trainer, the
-distributed merge and the samplers all agree on the same split.
+"""Who runs what: samples to devices by length (longest first), and each process's share of a
+global step. Pure functions of lengths: every process computes the same split of the same step.
 """
 from __future__ import annotations
 
 from typing import Any, List, Sequence
 
 import torch
-from torch import nn
 
-__all__ = ["assign_lpt", "lpt_shard", "sample_length", "recurrent_width", "PER_SAMPLE_GRAPH_MAX_WIDTH"]
-
-# Below this recurrent width (hidden x layers x directions), k samples per device run faster as k
-# per-sample graph replays than as one packed cuDNN batch. Measured on one H200 at k=32
-# (BENCHMARKS.md, W2): LSTM 36->64, per-sample graphs 2,547 samples/s vs packed 1,681; 2-layer LSTM
-# of width 512, packed 725 vs graphs 216. The crossover lies between the two measured models.
-PER_SAMPLE_GRAPH_MAX_WIDTH = 256
+__all__ = ["assign_lpt", "lpt_shard", "sample_length"]
 
 
 def assign_lpt(lengths: Sequence[int], num_devices: int, capacity: int) -> List[List[int]]:
@@ -53,10 +43,3 @@ def sample_length(x: Any) -> int:
     """The length L of one sample: (L, D), or (1, L, D) from a DataLoader with batch_size=1."""
     shape = tuple(x.shape) if hasattr(x, "shape") else tuple(torch.as_tensor(x).shape)
     return int(shape[-2]) if len(shape) >= 2 else int(shape[0]) if shape else 1
-
-
-def recurrent_width(model: nn.Module) -> int:
-    """hidden size x layers x directions of the model's widest recurrent module (0 if none)."""
-    widths = [m.hidden_size * m.num_layers * (2 if m.bidirectional else 1)
-              for m in model.modules() if isinstance(m, nn.RNNBase)]
-    return max(widths, default=0)

@@ -6,14 +6,14 @@ process under torchrun), which the loop cuts with `trainer.shard(lengths)` into 
 (longest first over every process's devices) before `trainer.step`. It stops after `max_steps` steps
 in total, after `epochs` epochs, or after the step at which a stop was requested (`request_stop`, e.g.
 from a signal handler; with several processes every rank stops after the same step: the request rides
-in the step's all-reduce, read back with `trainer.stop_requested()`).
+in the step's all-reduce, and `trainer.group.stop_agreed` gives every rank the same answer).
 
 Its state (`state_dict`: step, epoch, position within the epoch, and the sampler's own state) saved
 after any step resumes exactly there: a resumed loop runs the same steps, in the same order, as one
 that was never interrupted.
 
-Sampler protocol (LengthBucketSampler, DistributedLengthSampler, `OrderedBatches`,
-`IterableBatches`): attributes `epoch` and `position` (batches of this epoch already handed out),
+Sampler protocol (vlseq_ext.data.samplers: LengthBucketSampler, DistributedLengthSampler,
+OrderedBatches, IterableBatches): attributes `epoch` and `position` (batches of this epoch already handed out),
 `__iter__` yielding the rest of the current epoch's batches, `set_epoch(e)`, `state_dict()` /
 `load_state_dict()`, and `__len__` (batches per epoch) or `epoch_over()` when the length is unknown
 up front. A batch is a list of keys; `get_item(key)` returns the sample (x, y).
@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from ..data.samplers import IterableBatches, OrderedBatches
 from .scheduling import sample_length
 
-__all__ = ["TrainingLoop", "Callback", "OrderedBatches", "IterableBatches", "fit"]
+__all__ = ["TrainingLoop", "Callback", "fit"]
 
 
 class Callback:
@@ -53,8 +54,7 @@ class TrainingLoop:
     """Trains `trainer` on the batches of `sampler`; see the module docstring.
 
     Args:
-        trainer: a ParallelTrainer (or anything with step, shard, world_size, stop_requested,
-            request_stop).
+        trainer: a ParallelTrainer (or anything with step, shard and a process group `group`).
         sampler: a resumable batch sampler (module docstring); each batch is one global step.
         get_item: key -> (x, y).
         max_steps, epochs: stop after this many steps in total / once `sampler.epoch` reaches this
@@ -119,6 +119,7 @@ class TrainingLoop:
         processes every rank stops after the same step, once the request has reached all of them."""
         if self._requested is None:
             self._requested = reason
+            self.trainer.group.request_stop()
 
     def total_steps(self) -> Optional[int]:
         """Steps of the whole run, when known: min(max_steps, epochs x steps per epoch)."""
@@ -128,11 +129,8 @@ class TrainingLoop:
 
     def _should_stop(self) -> bool:
         reason = self._limit()
-        if reason is None and getattr(self.trainer, "world_size", 1) > 1:
-            if self.trainer.stop_requested():  # the same answer on every rank after the same step
-                reason = self._requested if self._requested is not None else "peer"
-        elif reason is None and self._requested is not None:
-            reason = self._requested
+        if reason is None and self.trainer.group.stop_agreed(self._requested is not None):
+            reason = self._requested if self._requested is not None else "peer"  # "peer": another rank asked
         if reason is not None:
             self.stop_reason = reason
         return reason is not None
@@ -141,7 +139,6 @@ class TrainingLoop:
     def run(self) -> Optional[str]:
         """Train until a limit or a stop request; returns stop_reason."""
         trainer, sampler = self.trainer, self.sampler
-        distributed = getattr(trainer, "world_size", 1) > 1
         self.stop_reason = self._limit()
         while self.stop_reason is None:
             if _epoch_over(sampler):  # never saved so; be safe anyway
@@ -151,10 +148,8 @@ class TrainingLoop:
             stepped = False
             for batch in sampler:
                 stepped = True
-                if distributed and self._requested is not None:
-                    trainer.request_stop()
                 items = [self.get_item(k) for k in batch]
-                if distributed:  # this rank's longest-first share of the global step
+                if trainer.group.world_size > 1:  # this process's longest-first share of the global step
                     items = [items[i] for i in trainer.shard([sample_length(x) for x, _ in items])]
                 loss = trainer.step([x for x, _ in items], [y for _, y in items])
                 self.step += 1
@@ -193,95 +188,6 @@ def _epoch_over(sampler: Any) -> bool:
     if over is not None:
         return bool(over())
     return sampler.position >= len(sampler)
-
-
-# ------------------------------------------------------------------------------------------------
-# samplers for plain datasets (ParallelTrainer.fit)
-
-
-class OrderedBatches:
-    """Resumable steps of `batch_size` consecutive indices 0..num_samples-1 (the last may be short),
-    in order, or with shuffle=True in the order torch.randperm(num_samples) draws from a generator
-    seeded with seed + epoch."""
-
-    def __init__(self, num_samples: int, batch_size: int, shuffle: bool = False, seed: int = 0) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.num_samples, self.batch_size, self.shuffle, self.seed = int(num_samples), int(batch_size), shuffle, seed
-        self.epoch = self.position = 0
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
-
-    def order(self, epoch: int) -> List[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-
-    def __iter__(self) -> Iterator[List[int]]:
-        epoch, order, bs = self.epoch, self.order(self.epoch), self.batch_size
-        while self.epoch == epoch and self.position < len(self):
-            self.position += 1
-            yield order[(self.position - 1) * bs:self.position * bs]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = int(epoch), 0
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
-                "num_samples": self.num_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key, mine in (("batch_size", self.batch_size), ("num_samples", self.num_samples)):
-            if key in state and int(state[key]) != mine:
-                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {mine}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-class IterableBatches:
-    """Resumable steps of `batch_size` consecutive items of an iterable that is read again every
-    epoch (a DataLoader, a generator-backed dataset): the batches hold the items themselves (use
-    get_item=lambda item: item). It reads one item ahead, so it knows at the last batch that the
-    epoch is over. Resuming at position p re-reads and skips the first p batches."""
-
-    def __init__(self, data: Any, batch_size: int) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.data, self.batch_size = data, int(batch_size)
-        self.epoch = self.position = 0
-        self._over = False
-
-    def epoch_over(self) -> bool:
-        return self._over
-
-    def __iter__(self) -> Iterator[List[Any]]:
-        epoch, it = self.epoch, iter(self.data)
-        sentinel = object()
-        nxt = next(it, sentinel)
-        for _ in range(self.position * self.batch_size):  # resume: skip what was trained on
-            if nxt is sentinel:
-                break
-            nxt = next(it, sentinel)
-        self._over = nxt is sentinel
-        while self.epoch == epoch and not self._over:
-            batch = []
-            while nxt is not sentinel and len(batch) < self.batch_size:
-                batch.append(nxt)
-                nxt = next(it, sentinel)
-            self._over = nxt is sentinel
-            self.position += 1
-            yield batch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position, self._over = int(epoch), 0, False
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if "batch_size" in state and int(state["batch_size"]) != self.batch_size:
-            raise ValueError(f"sampler state has batch_size={state['batch_size']}, this sampler has {self.batch_size}")
-        self.epoch, self.position, self._over = int(state["epoch"]), int(state["position"]), False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,7 +239,7 @@ class _FitHistory(Callback):
 
 
 def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = None, shuffle: bool = False,
-        seed: int = 0, val_data: Any = None, log_every: int = 0) -> List[Dict[str, float]]:
+        seed: int = 0, val_data: Any = None) -> List[Dict[str, float]]:
     """See ParallelTrainer.fit: a TrainingLoop over `data` in order (or shuffled per epoch with
     seed + epoch), global steps of world_size x samples_per_step samples, the last one of an epoch
     possibly short. `data` with __len__ and __getitem__ is read by index; anything else (a
@@ -341,9 +247,9 @@ def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = Non
     part trained before max_steps)."""
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    step_size = trainer.samples_per_step * trainer.world_size  # [distributed] a global step
+    step_size = trainer.samples_per_step * trainer.group.world_size  # [distributed] a global step
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        trainer.check_same_on_every_rank("training samples", len(data))  # else steps would pair other samples
+        trainer.group.check_same("training samples", len(data))  # else steps would pair other samples
         sampler: Any = OrderedBatches(len(data), step_size, shuffle=shuffle, seed=seed)
         get_item: Callable[[Any], Any] = data.__getitem__
     else:

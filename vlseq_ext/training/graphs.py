@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from .losses import loss_precision
+from .losses import StepPass
 
 __all__ = ["capture", "SampleGraphs", "PaddedGraphs", "padded_length"]
 
@@ -168,14 +168,14 @@ class _Cache:
 
 
 class SampleGraphs(_Cache):
-    """One sample's forward + backward on `module`, through a graph per length. Queued on
-    `stream` (the caller makes it wait for the step's start and waits for it at the end)."""
+    """One sample's forward + backward on `module` (`run_pass`: its lane's pass), through a graph per
+    length. Queued on `stream` (the caller makes it wait for the step's start and waits for it at
+    the end)."""
 
-    def __init__(self, module: nn.Module, device: torch.device, loss_of: Callable[[Tensor, Tensor], Tensor],
-                 autocast: Callable, loss_acc: Tensor, stream: torch.cuda.Stream, dtype: torch.dtype,
-                 max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, run_pass: StepPass, stream: torch.cuda.Stream,
+                 dtype: torch.dtype, max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
         super().__init__(device, stream, max_graphs, max_bytes)
-        self.module, self.loss_of, self.autocast, self.loss_acc, self.dtype = module, loss_of, autocast, loss_acc, dtype
+        self.module, self.run_pass, self.dtype = module, run_pass, dtype
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.x_buf: Optional[Tensor] = None
         self.y_buf: Optional[Tensor] = None
@@ -199,11 +199,7 @@ class SampleGraphs(_Cache):
         return True
 
     def _step(self, x: Tensor, y: Tensor) -> None:
-        with self.autocast():
-            out = self.module(x)
-        loss = self.loss_of(loss_precision(out), y)
-        loss.backward()
-        self.loss_acc.add_(loss.detach())
+        self.run_pass(lambda: self.module(x), y)
 
     def run(self, x: Tensor, y: Tensor) -> None:
         """x: (L, D) on any device; y: the target shaped like a one-sample batch. Must be called
@@ -237,25 +233,19 @@ class PaddedGraphs(_Cache):
     """k samples' forward + backward as one replay: the batch is zero-padded to a bucketed length
     T and run through `module.forward_padded(x, lengths)`, whose result for each sample equals
     its own forward (the model's promise; SeqModel keeps it by reading each sample's state at its
-    own last step). Queued on `stream`."""
+    own last step). `run_pass`: the lane's pass; queued on `stream`."""
 
-    def __init__(self, module: nn.Module, device: torch.device, per_sample_loss: Callable[[Tensor, Tensor], Tensor],
-                 autocast: Callable, loss_acc: Tensor, stream: torch.cuda.Stream, dtype: torch.dtype,
-                 max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, run_pass: StepPass, stream: torch.cuda.Stream,
+                 dtype: torch.dtype, max_graphs: int = 1024, max_bytes: Optional[int] = None) -> None:
         super().__init__(device, stream, max_graphs, max_bytes)
-        self.module, self.per_sample_loss, self.autocast = module, per_sample_loss, autocast
-        self.loss_acc, self.dtype = loss_acc, dtype
+        self.module, self.run_pass, self.dtype = module, run_pass, dtype
         self.entries: Dict[Tuple[int, int], _PaddedEntry] = {}
 
     def num_graphs(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
 
     def _step(self, e: _PaddedEntry) -> None:
-        with self.autocast():
-            out = self.module.forward_padded(e.x, e.lengths)
-        loss = self.per_sample_loss(loss_precision(out), e.y).sum()
-        loss.backward()
-        self.loss_acc.add_(loss.detach())
+        self.run_pass(lambda: self.module.forward_padded(e.x, e.lengths), e.y)
 
     def run(self, xs: List[Tensor], y: Tensor) -> None:
         """xs: B samples (L_i, D); y: their stacked targets (B, ...). Must be called with `stream`

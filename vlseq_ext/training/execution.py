@@ -11,20 +11,33 @@ Three plans, the same gradient (the float64 per-sample reference) either way:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .graphs import PaddedGraphs, SampleGraphs
-from .losses import PerSampleLoss, loss_precision, stack_targets
-from .replicas import ReplicaSet
-from .scheduling import PER_SAMPLE_GRAPH_MAX_WIDTH, recurrent_width
+from .graphs import PaddedGraphs, SampleGraphs, padded_length
+from .losses import PerSampleLoss, StepPass, forward_backward, stack_targets
+from .options import TrainerOptions
+from .replicas import Lane, ReplicaSet
 
+# Below this recurrent width (hidden x layers x directions), k samples per device run faster as k
+# per-sample graph replays than as one packed cuDNN batch. Measured on one H200 at k=32
+# (BENCHMARKS.md, W2): LSTM 36->64, per-sample graphs 2,547 samples/s vs packed 1,681; 2-layer LSTM
+# of width 512, packed 725 vs graphs 216. The crossover lies between the two measured models.
+PER_SAMPLE_GRAPH_MAX_WIDTH = 256
 # Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). A
 # probe on one H200 (LSTM 512x2, L=300): 4 streams replay at 1.36x one stream.
 MAX_LANES = 4
+
+
+def recurrent_width(model: nn.Module) -> int:
+    """hidden size x layers x directions of the model's widest recurrent module (0 if none)."""
+    widths = [m.hidden_size * m.num_layers * (2 if m.bidirectional else 1)
+              for m in model.modules() if isinstance(m, nn.RNNBase)]
+    return max(widths, default=0)
 
 
 class SlowPlanWarning(UserWarning):
@@ -50,13 +63,12 @@ def slow_plan_note(plan: str, model: nn.Module, samples_per_device: int, pack, c
 class DeviceRunner:
     """Runs one device's share of a step (`run(d, xs, ys)`) by the plan chosen at the first step."""
 
-    def __init__(self, model: nn.Module, replicas: ReplicaSet, per_sample_loss: PerSampleLoss, samples_per_device: int,
-                 pack, cuda_graphs: bool, lanes: Optional[int], amp: Optional[str], graph_bounds) -> None:
+    def __init__(self, model: nn.Module, replicas: ReplicaSet, per_sample_loss: PerSampleLoss,
+                 options: TrainerOptions, cuda_graphs: bool) -> None:
         self.model, self.replicas, self.per_sample_loss = model, replicas, per_sample_loss
+        self.options, self.cuda_graphs = options, cuda_graphs
         self.devices = replicas.devices
         self.master_device = self.devices[replicas.master_index]
-        self.samples_per_device, self.pack, self.cuda_graphs = samples_per_device, pack, cuda_graphs
-        self.amp, self._lanes_asked, self._graph_bounds = amp, lanes, graph_bounds
         self.plan: Optional[str] = None
         self.output_shape: Optional[Tuple[int, ...]] = None
         self._accepts_list: Optional[bool] = None
@@ -81,20 +93,21 @@ class DeviceRunner:
         return [c for c in [*self.sample_graphs[d], self.padded_graphs[d]] if c is not None]
 
     def autocast(self):
-        if self.amp is None:
+        if self.options.amp is None:
             return contextlib.nullcontext()
         # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
         return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
 
     def choose_plan(self, xs: List[Tensor]) -> str:
         """"padded" (graph per padded shape), "packed" (eager list batch) or "per_sample"."""
-        if self.pack is False:
+        pack = self.options.pack
+        if pack is False:
             return "per_sample"
         if self.cuda_graphs and callable(getattr(self.model, "forward_padded", None)):
             return "padded"
-        if self.pack == "auto" and self.cuda_graphs and recurrent_width(self.model) < PER_SAMPLE_GRAPH_MAX_WIDTH:
+        if pack == "auto" and self.cuda_graphs and recurrent_width(self.model) < PER_SAMPLE_GRAPH_MAX_WIDTH:
             return "per_sample"
-        if self.samples_per_device > 1 and self.accepts_list(xs):
+        if self.options.samples_per_device > 1 and self.accepts_list(xs):
             return "packed"
         return "per_sample"
 
@@ -135,46 +148,58 @@ class DeviceRunner:
             self.output_shape = tuple(out.shape)
         if self.plan is not None:
             return
+        opts = self.options
         self.plan = self.choose_plan(xs)
-        note = slow_plan_note(self.plan, self.model, self.samples_per_device, self.pack, self.cuda_graphs)
+        note = slow_plan_note(self.plan, self.model, opts.samples_per_device, opts.pack, self.cuda_graphs)
         if note:
             warnings.warn(note, SlowPlanWarning, stacklevel=2)
-        lanes = self._lanes_asked or (min(self.samples_per_device, MAX_LANES)
-                                      if self.plan == "per_sample" and self.cuda_graphs else 1)
+        lanes = opts.lanes or (min(opts.samples_per_device, MAX_LANES)
+                               if self.plan == "per_sample" and self.cuda_graphs else 1)
         self.replicas.ensure_lanes(lanes)
         self._make_caches()
+
+    def _pass(self, lane: Lane) -> StepPass:
+        """The forward + loss + backward of `lane`, eagerly or as a graph's body."""
+        return functools.partial(forward_backward, per_sample_loss=self.per_sample_loss, autocast=self.autocast,
+                                 loss_sum=lane.loss)
 
     def _make_caches(self) -> None:
         if not self.cuda_graphs:
             return
-        max_graphs, max_bytes = self._graph_bounds
+        bounds = (self.options.graph_cache_size, self.options.graph_memory_bytes)
         for d, dev_lanes in enumerate(self.replicas.lanes):
             dtype = dev_lanes[0].params[0].dtype
             if self.plan == "padded":
                 lane = dev_lanes[0]
-                self.padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self.per_sample_loss,
-                                                      self.autocast, lane.loss, lane.stream, dtype, max_graphs,
-                                                      max_bytes)
+                self.padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream, dtype,
+                                                     *bounds)
             elif self.plan == "per_sample":
-                self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._one_sample_loss,
-                                                       self.autocast, lane.loss, lane.stream, dtype, max_graphs,
-                                                       max_bytes) for lane in dev_lanes]
+                self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream,
+                                                      dtype, *bounds) for lane in dev_lanes]
 
-    def _one_sample_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return self.per_sample_loss(output, target)[0]
+    def warmup_steps(self, lengths: List[int]) -> List[List[int]]:
+        """The sample lengths of the steps that capture every graph these lengths will replay (after
+        prepare): one full batch per padded length bucket, or every length on every lane."""
+        lengths = sorted(set(lengths), reverse=True)
+        if self.plan == "padded":
+            return [[L] * self.options.samples_per_device for L in sorted({padded_length(v) for v in lengths},
+                                                                           reverse=True)]
+        if self.plan == "per_sample":
+            return [[L] * len(self.replicas.lanes[0]) for L in lengths]
+        return []
 
     def run(self, d: int, xs: List[Tensor], ys: List[Tensor]) -> None:
         if self.plan == "padded":
             cache = self.padded_graphs[d]
             with self._joined(d, cache.stream), torch.cuda.stream(cache.stream):
-                cache.run(xs, self._stack(d, ys, self.output_shape[-1]))
+                cache.run(xs, self._stack(d, ys))
         elif self.plan == "packed" and len(xs) > 1:
             self._eager(d, 0, xs, ys)
         else:
             self._per_sample(d, xs, ys)
 
-    def _stack(self, d: int, ys: List[Tensor], out_dim: int) -> Tensor:
-        return stack_targets(ys, out_dim).to(self.devices[d], non_blocking=True)
+    def _stack(self, d: int, ys: List[Tensor]) -> Tensor:
+        return stack_targets(ys, self.output_shape[-1]).to(self.devices[d], non_blocking=True)
 
     @contextlib.contextmanager
     def _joined(self, d: int, stream):
@@ -197,10 +222,9 @@ class DeviceRunner:
                 stack.enter_context(self._joined(d, lane.stream))
             for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run
                 lane = i % n
-                target = y.reshape(1, -1) if y.is_floating_point() else y.reshape(1)
                 if caches:
                     with torch.cuda.stream(lanes[lane].stream):
-                        caches[lane].run(x, target)
+                        caches[lane].run(x, y.reshape(1, -1) if y.is_floating_point() else y.reshape(1))
                 else:
                     self._eager(d, lane, [x], [y])
         if n > 1:
@@ -210,12 +234,5 @@ class DeviceRunner:
         """Eager forward + backward of one sample or one packed list on lane `lane` of device d."""
         ln = self.replicas.lanes[d][lane]
         dev, dtype = self.devices[d], ln.params[0].dtype
-        with self.autocast():
-            if len(xs) == 1:
-                out = ln.module(xs[0].to(dev, dtype=dtype, non_blocking=True))
-            else:
-                out = ln.module([x.to(dev, dtype=dtype, non_blocking=True) for x in xs])
-        out = loss_precision(out)
-        loss = self.per_sample_loss(out, self._stack(d, ys, out.shape[-1])).sum()
-        loss.backward()
-        ln.loss.add_(loss.detach())
+        inputs = [x.to(dev, dtype=dtype, non_blocking=True) for x in xs]
+        self._pass(ln)(lambda: ln.module(inputs[0] if len(inputs) == 1 else inputs), self._stack(d, ys))

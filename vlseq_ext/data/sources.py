@@ -55,15 +55,15 @@ def save_ragged(path: PathLike, sequences: Sequence[Any], targets: Any = None) -
     np.savez(path, **arrays)
 
 
-def check_file(path: Path, hint: str = "") -> None:
+def check_file(path: Path) -> None:
     """DataError unless `path` is an existing regular file (a directory or a device is named as such)."""
     if path.is_file():
         return
     if path.is_dir():
-        raise DataError(f"{path}: is a directory, not a data file{hint}")
+        raise DataError(f"{path}: is a directory, not a data file", "data")
     if path.exists():
-        raise DataError(f"{path}: is not a regular file (a device, pipe or socket){hint}")
-    raise DataError(f"{path}: no such file{hint}")
+        raise DataError(f"{path}: is not a regular file (a device, pipe or socket)", "data")
+    raise DataError(f"{path}: no such file", "data")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -263,12 +263,13 @@ def japanese_vowels(drop_nonfinite: bool = False) -> Tuple[RaggedDataset, Ragged
 
 def open_dataset(data: str, task: Optional[str] = None, drop_nonfinite: bool = False, seed: int = 0,
                  num_samples: int = 2000) -> Tuple[RaggedDataset, Optional[RaggedDataset]]:
-    """What `vlseq-train --data` accepts: "synthetic", "japanese_vowels", a ragged .npz or a .ts
-    file. Returns (dataset, validation set or None); only japanese_vowels comes with its own
-    validation set (the official test split)."""
+    """A data set by name ("synthetic", "japanese_vowels") or file (a ragged .npz or a .ts file).
+    Returns (dataset, validation set or None); only japanese_vowels comes with its own validation set
+    (the official test split)."""
     builtin = {"synthetic": "regression", "japanese_vowels": "classification"}
     if data in builtin and task not in (None, builtin[data]):
-        raise DataError(f"{data}: a built-in {builtin[data]} dataset, so --task {task} does not apply")
+        raise DataError(f"{data}: a built-in {builtin[data]} dataset: it cannot be trained as {task}", "task",
+                        "leave task at None for a built-in set")
     if data == "synthetic":
         return synthetic(num_samples, seed), None
     if data == "japanese_vowels":
@@ -278,18 +279,19 @@ def open_dataset(data: str, task: Optional[str] = None, drop_nonfinite: bool = F
         return load_ts(path, task, drop_nonfinite), None
     if path.suffix.lower() == ".npz" or path.exists():
         return load_ragged(path, task, drop_nonfinite), None
-    raise DataError(f"{data}: no such file (--data takes a .npz or .ts file, or one of: {', '.join(BUILTIN)})")
+    raise DataError(f"{data}: no such file", "data", f"data is a .npz or .ts file, or one of: {', '.join(BUILTIN)}")
 
 
 def split(ds: RaggedDataset, val_fraction: float, seed: int = 0) -> Tuple[RaggedDataset, Optional[RaggedDataset]]:
     """A deterministic random (train, validation) split; validation is None when val_fraction is 0."""
     if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = int(round(len(ds) * val_fraction))
     if n_val == 0:
         return ds, None
     if n_val >= len(ds):
-        raise DataError(f"{ds.name}: --val-fraction {val_fraction} leaves no training samples out of {len(ds)}")
+        raise DataError(f"{ds.name}: a validation fraction of {val_fraction} leaves no training samples out of "
+                        f"{len(ds)}", "val_fraction", "give a smaller val_fraction")
     perm = np.random.default_rng([seed, 1]).permutation(len(ds))
     return ds.subset(np.sort(perm[n_val:])), ds.subset(np.sort(perm[:n_val]))
 

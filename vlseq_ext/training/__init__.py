@@ -1,0 +1,1 @@
+"""The training engine: ParallelTrainer and its parts, and the one training loop."""
