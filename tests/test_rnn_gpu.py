@@ -281,3 +281,37 @@ def test_seq_model_on_the_kernels_equals_samples_alone(rand, rnn, bidirectional)
         assert err < 1e-5, err
     one = torch.cat([model(s) for s in xs])  # batch-1 calls, as the trainer's one-sample graphs make them
     torch.testing.assert_close(one.double().cpu(), alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["padded", "one_sample"])
+def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
+    """ParallelTrainer with rnn_kernels="vlseq" (padded-batch graphs of SeqModel, or one-sample graphs
+    on lanes) gives the gradient cuDNN gives, within fp32 rounding."""
+    from vlseq_ext import ParallelTrainer, SeqModel
+
+    class OneSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(36, 256, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(256, 1)
+
+        def forward(self, x):
+            return self.fc(self.lstm(x.unsqueeze(0))[1][0][-1])
+
+    lengths = random_lengths(rand, 8, 1, 60)
+    xs = [rand.randn(n, 36) for n in lengths]
+    ys = [rand.randn(1) for _ in lengths]
+    grads = {}
+    for kernels in ("vlseq", "cudnn"):
+        torch.manual_seed(rand.seed % 2**31)
+        model = (SeqModel(36, 256, 1, num_layers=2) if form == "padded" else OneSample()).to(DEV)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        trainer = ParallelTrainer(model, opt, nn.MSELoss(), devices="cuda:0", samples_per_device=8,
+                                  rnn_kernels=kernels)
+        for _ in range(3):  # eager first, then graph captures and replays
+            trainer.compute_gradients(xs, ys)
+        grads[kernels] = [p.grad.detach().double().cpu().clone() for p in model.parameters()]
+        assert trainer.runner.plan == ("padded" if form == "padded" else "per_sample")
+    for a, b in zip(grads["vlseq"], grads["cudnn"]):
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, err

@@ -153,3 +153,31 @@ def test_seq_model_keeps_its_keys_and_results(rand, path):
     alone = torch.cat([model(s) for s in xs])
     torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(padded_out, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_swaps_the_models_rnns_and_keeps_its_parameters():
+    from vlseq_ext import ParallelTrainer
+
+    class OneSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 8, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.rnn(x.unsqueeze(0))[1][-1])
+
+    model = OneSample()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ParallelTrainer(model, opt, nn.MSELoss(), devices="cpu", rnn_kernels="vlseq")
+    assert type(model.rnn) is vnn.GRU and model.rnn.kernels == "vlseq"
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    loss = trainer.step([torch.randn(5, 3)], [torch.randn(1)])
+    assert torch.isfinite(loss)
+    with raises_matching(ValueError, "rnn_kernels must be 'auto', 'vlseq' or 'cudnn'"):
+        ParallelTrainer(OneSample(), opt, nn.MSELoss(), devices="cpu", rnn_kernels="fast")
+    plain = OneSample()
+    ParallelTrainer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), nn.MSELoss(), devices="cpu",
+                    rnn_kernels="cudnn")
+    assert type(plain.rnn) is nn.GRU

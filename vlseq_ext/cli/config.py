@@ -92,6 +92,9 @@ class RunConfig:
     amp: Optional[str] = option(None, "training", "bf16 autocast for the forward pass (default: none)",
                                 choices=["bf16", "none"], trainer="amp",
                                 flag_value=lambda v: None if v == "none" else v)
+    rnn_kernels: str = option("auto", "training", "how the LSTM/GRU runs: auto (the persistent kernels where they "
+                              "measured faster than cuDNN), vlseq (the kernels wherever they can run) or cudnn "
+                              "(default: {default})", choices=["auto", "vlseq", "cudnn"], trainer="rnn_kernels")
     seed: int = option(0, "training", "seed of the synthetic data, the split, the order and the model (default: "
                        "{default})", check=((lambda v: 0 <= v < 2 ** 63), "in [0, 2**63)"), fixed=True)
     deterministic: bool = option(False, "training", "deterministic kernels only (torch.use_deterministic_algorithms): "

@@ -60,6 +60,10 @@ class TrainerOptions:
         lanes: concurrent per-sample passes per device (one CUDA stream and gradient set each);
             None: min(k, 4) on the per-sample graph path, else 1.
         amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
+        rnn_kernels: how the model's nn.LSTM / nn.GRU modules run: "auto" (the persistent kernels
+            of vlseq_ext.nn where they measured faster than cuDNN), "vlseq" (the kernels wherever
+            they can run) or "cudnn" (torch's own). The modules are swapped in place and keep their
+            Parameter objects (vlseq_ext.nn.use_kernels).
         graph_cache_size, graph_memory_bytes: bounds on each graph cache; past them, eager
             (graph_memory_bytes None: a tenth of the device's memory).
     Between the merge and the optimizer step (vlseq_ext.training.guard.StepGuard):
@@ -80,6 +84,7 @@ class TrainerOptions:
     pack: Union[str, bool] = option("auto", _one_of("auto", True, False))
     lanes: Optional[int] = option(None, OPTIONAL_POSITIVE_INT)
     amp: Optional[str] = option(None, _one_of(None, "bf16"))
+    rnn_kernels: str = option("auto", _one_of("auto", "vlseq", "cudnn"))
     graph_cache_size: int = option(1024, POSITIVE_INT)
     graph_memory_bytes: Optional[int] = option(None, OPTIONAL_POSITIVE_INT)
     clip_grad_norm: Optional[float] = option(None, OPTIONAL_POSITIVE)

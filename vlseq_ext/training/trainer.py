@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .. import distributed
 from ..devices import parse_devices
+from ..nn import use_kernels
 from . import loop
 from .execution import DeviceRunner
 from .guard import StepGuard
@@ -63,6 +64,7 @@ class ParallelTrainer:
         self.options = opts = TrainerOptions.from_keywords(options)
         self.devices = parse_devices(devices)
         place_model(model, optimizer, self.devices)
+        use_kernels(model, opts.rnn_kernels)  # before the replicas copy the model
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.input_dim = model_input_dim(model)
         self.cuda_graphs = opts.cuda_graphs and self.devices[0].type == "cuda"
