@@ -4,22 +4,6 @@
 
 namespace vlseq::rnn {
 
-using bf16 = __nv_bfloat16;
-
-const void* backward_kernel(Cell c, Weights w, int bt) {
-#define VLSEQ_BWD(C, WT)                                   \
-  switch (bt) {                                            \
-    case 1: return (const void*)rnn_backward_kernel<C, 1, WT>; \
-    case 2: return (const void*)rnn_backward_kernel<C, 2, WT>; \
-    case 4: return (const void*)rnn_backward_kernel<C, 4, WT>; \
-    default: return (const void*)rnn_backward_kernel<C, 8, WT>; \
-  }
-  if (c == Cell::kLSTM) {
-    if (w == Weights::kFP32) { VLSEQ_BWD(Cell::kLSTM, float) } else { VLSEQ_BWD(Cell::kLSTM, bf16) }
-  } else {
-    if (w == Weights::kFP32) { VLSEQ_BWD(Cell::kGRU, float) } else { VLSEQ_BWD(Cell::kGRU, bf16) }
-  }
-#undef VLSEQ_BWD
-}
+VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel)
 
 }  // namespace vlseq::rnn

@@ -4,22 +4,6 @@
 
 namespace vlseq::rnn {
 
-using bf16 = __nv_bfloat16;
-
-const void* forward_kernel(Cell c, Weights w, int bt) {
-#define VLSEQ_FWD(C, WT)                                  \
-  switch (bt) {                                           \
-    case 1: return (const void*)rnn_forward_kernel<C, 1, WT>; \
-    case 2: return (const void*)rnn_forward_kernel<C, 2, WT>; \
-    case 4: return (const void*)rnn_forward_kernel<C, 4, WT>; \
-    default: return (const void*)rnn_forward_kernel<C, 8, WT>; \
-  }
-  if (c == Cell::kLSTM) {
-    if (w == Weights::kFP32) { VLSEQ_FWD(Cell::kLSTM, float) } else { VLSEQ_FWD(Cell::kLSTM, bf16) }
-  } else {
-    if (w == Weights::kFP32) { VLSEQ_FWD(Cell::kGRU, float) } else { VLSEQ_FWD(Cell::kGRU, bf16) }
-  }
-#undef VLSEQ_FWD
-}
+VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel)
 
 }  // namespace vlseq::rnn

@@ -149,9 +149,26 @@ struct BackwardSmem {
 };
 
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
-// (rnn_forward.cu, rnn_backward.cu).
+// (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE).
 const void* forward_kernel(Cell c, Weights w, int bt);
 const void* backward_kernel(Cell c, Weights w, int bt);
+
+#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT)            \
+  switch (bt) {                                       \
+    case 1: return (const void*)KERNEL<C, 1, WT>;     \
+    case 2: return (const void*)KERNEL<C, 2, WT>;     \
+    case 4: return (const void*)KERNEL<C, 4, WT>;     \
+    default: return (const void*)KERNEL<C, 8, WT>;    \
+  }
+#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                                  \
+  const void* NAME(Cell c, Weights w, int bt) {                                               \
+    if (c == Cell::kLSTM) {                                                                   \
+      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float)                \
+      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)                                 \
+    }                                                                                         \
+    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)                   \
+    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                                    \
+  }
 
 #if defined(__CUDACC__)
 
@@ -320,6 +337,40 @@ struct Items {
   }
 };
 
+// Where this block sits: group `group` runs samples [b0, b0 + bv), block `rank` of it owns hidden
+// units [j0, j0 + hv).
+struct Block {
+  int groups, rank, group, j0, hv, b0, bv;
+  __device__ __forceinline__ explicit Block(const Geometry& g) {
+    groups = gridDim.x / g.nc;
+    rank = blockIdx.x % g.nc, group = blockIdx.x / g.nc;
+    j0 = rank * g.hs, hv = max(0, min(g.hs, g.H - j0));
+    b0 = group * g.bs, bv = min(g.bs, g.B - b0);
+  }
+};
+
+// This block's rows of W_hh (row q*hs + j <- W_hh[q*H + j0 + j], every gate q), zero padded to
+// `rows` x `cols`, into w as w[r * ld + k] or, transposed, w[k * ld + r]. k runs fastest so that the
+// reads of W_hh rows coalesce.
+template <bool kTransposed, typename WT>
+__device__ void load_weights(WT* w, int ld, int rows, int cols, const float* w_hh, int G, const Geometry& g,
+                             const Block& blk) {
+  for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
+    const int r = e / cols, k = e - r * cols;
+    float v = 0.0f;
+    if (r < G * g.hs && k < g.H) {
+      const int q = r / g.hs, j = r - q * g.hs;
+      if (j < blk.hv) v = w_hh[static_cast<int64_t>(q * g.H + blk.j0 + j) * g.H + k];
+    }
+    w[kTransposed ? k * ld + r : r * ld + k] = to_weight<WT>(v);
+  }
+}
+
+__device__ void load_lengths(int* lens, const int64_t* lengths, const Geometry& g, const Block& blk) {
+  for (int b = threadIdx.x; b < g.bs; b += kThreads)
+    lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
+}
+
 template <Cell C, int BT, typename WT>
 __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -327,10 +378,8 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, hs = g.hs, R = G * hs, GH = G * H;
   const int Kp = round_up(H, 4), ldw = Kp + 4;
-  const int groups = gridDim.x / g.nc;
-  const int rank = blockIdx.x % g.nc, group = blockIdx.x / g.nc;
-  const int j0 = rank * hs, hv = max(0, min(hs, H - j0));
-  const int b0 = group * g.bs, bv = min(g.bs, g.B - b0);
+  const Block blk(g);
+  const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
@@ -346,19 +395,8 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
   auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
 
-  // Set-up: this block's W_hh rows (row q*hs + j <- W_hh[q*H + j0 + j]), zero padded.
-  const int wrows = round_up(R, kRowTile);
-  for (int e = tid; e < wrows * ldw; e += kThreads) {
-    const int r = e / ldw, k = e - r * ldw;
-    float v = 0.0f;
-    if (r < R && k < H) {
-      const int q = r / hs, j = r - q * hs;
-      if (j < hv) v = a.w_hh[static_cast<int64_t>(q * H + j0 + j) * H + k];
-    }
-    w_s[e] = to_weight<WT>(v);
-  }
-  for (int b = tid; b < g.bs; b += kThreads)
-    lens[b] = b < bv ? static_cast<int>(clamp_length(a.lengths[b0 + b], T)) : 0;
+  load_weights<false>(w_s, ldw, round_up(R, kRowTile), ldw, a.w_hh, G, g, blk);
+  load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < g.bs * hs; e += kThreads) {
     const int b = e / hs, j = e - b * hs;
     const bool mine = b < bv && j < hv;
@@ -529,10 +567,8 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, hs = g.hs, R = G * hs, GH = G * H;
   const int Kp = round_up(H, 4), Rp = round_up(R, 4), ldt = Rp + 4;
-  const int groups = gridDim.x / g.nc;
-  const int rank = blockIdx.x % g.nc, group = blockIdx.x / g.nc;
-  const int j0 = rank * hs, hv = max(0, min(hs, H - j0));
-  const int b0 = group * g.bs, bv = min(g.bs, g.B - b0);
+  const Block blk(g);
+  const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
@@ -550,18 +586,9 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     return a.xchg + ((static_cast<int64_t>(parity) * groups + group) * g.nc + q) * g.bs * H;
   };
 
-  for (int e = tid; e < ldt * Kp; e += kThreads) {  // k fastest: coalesced reads of W_hh rows
-    const int r = e / Kp, k = e - r * Kp;
-    float v = 0.0f;
-    if (r < R && k < H) {
-      const int q = r / hs, j = r - q * hs;
-      if (j < hv) v = a.w_hh[static_cast<int64_t>(q * H + j0 + j) * H + k];
-    }
-    wt_s[k * ldt + r] = to_weight<WT>(v);
-  }
+  load_weights<true>(wt_s, ldt, ldt, Kp, a.w_hh, G, g, blk);
   for (int e = tid; e < round_up(g.bs, BT) * Rp; e += kThreads) dg_s[e] = 0.0f;
-  for (int b = tid; b < g.bs; b += kThreads)
-    lens[b] = b < bv ? static_cast<int>(clamp_length(a.lengths[b0 + b], T)) : 0;
+  load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < g.bs * hs; e += kThreads) {
     const int b = e / hs, j = e - b * hs;
     const bool mine = b < bv && j < hv;
