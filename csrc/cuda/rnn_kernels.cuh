@@ -366,6 +366,11 @@ __device__ void load_weights(WT* w, int ld, int rows, int cols, const float* w_h
   }
 }
 
+// The (sample, time) row of sample b of the group at step s: time s, or len-1-s in reverse.
+__device__ __forceinline__ int64_t step_row(const Geometry& g, const Block& blk, int b, int len, int s) {
+  return static_cast<int64_t>(blk.b0 + b) * g.T + (g.reverse ? len - 1 - s : s);
+}
+
 __device__ void load_lengths(int* lens, const int64_t* lengths, const Geometry& g, const Block& blk) {
   for (int b = threadIdx.x; b < g.bs; b += kThreads)
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
@@ -536,8 +541,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
-      const int b = it.b[i], len = lens[b], t = g.reverse ? len - 1 - s : s;
-      const int64_t row = static_cast<int64_t>(b0 + b) * T + t, unit = j0 + it.j[i];
+      const int64_t row = step_row(g, blk, it.b[i], lens[it.b[i]], s), unit = j0 + it.j[i];
       float* sv = a.saved + row * 4 * H + unit;
       a.y[row * H + unit] = out[i][0];
       sv[0] = out[i][1], sv[H] = out[i][2], sv[2 * H] = out[i][3], sv[3 * H] = out[i][4];
@@ -718,8 +722,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
-      const int b = it.b[i], len = lens[b], t = g.reverse ? len - 1 - s : s;
-      const int64_t row = static_cast<int64_t>(b0 + b) * T + t, unit = j0 + it.j[i];
+      const int64_t row = step_row(g, blk, it.b[i], lens[it.b[i]], s), unit = j0 + it.j[i];
 #pragma unroll
       for (int q = 0; q < G; ++q) a.dgates[row * GH + q * H + unit] = out[i][q];
       if constexpr (C == Cell::kGRU) a.dgates_hn[row * H + unit] = out[i][3];
