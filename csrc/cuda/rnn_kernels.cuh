@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   const int H = g.H, T = g.T, hs = g.hs, R = G * hs, GH = G * H;
   const int Kp = round_up(H, 4), ldw = Kp + 4;
   const Block blk(g);
-  const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
+  const int groups = blk.groups, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
