@@ -48,17 +48,21 @@ def package_imports() -> Dict[str, Set[str]]:
 
 def documented_layers() -> List[List[str]]:
     """The layer table of docs/design.md (between <!-- layers --> and the end of its code block), low
-    to high: each line "N  module module ..."; `cli.*` stands for every module of cli."""
+    to high: each line "N  module module ..." (see layer_of for the patterns)."""
     block = DESIGN.split("<!-- layers -->", 1)[1].split("```", 2)[1]
     return [line.split()[1:] for line in block.splitlines() if re.match(r"\s*\d+\s", line)]
 
 
 def layer_of(name: str, layers: List[List[str]]) -> int:
+    """The layer of a module; a pattern ending in * takes every module whose name starts so (cli.* the
+    package cli and its modules, estimators* any estimators module or package)."""
     for i, names in enumerate(layers):
         for pattern in names:
-            shown = "" if pattern == "vlseq_ext" else pattern
-            if name == shown or (pattern.endswith(".*") and name.startswith(pattern[:-1])) or \
-                    (pattern.endswith(".*") and name == pattern[:-2]):
+            if pattern.endswith("*"):
+                prefix = pattern[:-1]
+                if name.startswith(prefix) or name == prefix.rstrip("."):
+                    return i
+            elif name == ("" if pattern == "vlseq_ext" else pattern):
                 return i
     raise AssertionError(f"vlseq_ext.{name} is in no layer of docs/design.md")
 

@@ -24,7 +24,7 @@ class SeqModel(nn.Module):
 
     forward_padded(x (B, T, D), lengths (B,)) gives the same result as forward on the list of
     x[i, :lengths[i]], with fixed shapes, so the trainer can replay it as one CUDA graph per
-    (B, bucketed T) (vlseq_ext.graphs.PaddedGraphs).
+    (B, bucketed T) (vlseq_ext.training.graphs.PaddedGraphs).
 
     The recurrent module is vlseq_ext.nn's LSTM/GRU (torch's, plus the persistent kernels):
     `rnn_kernels` "auto" (default) runs the kernels on CUDA where they beat cuDNN, "vlseq" wherever
