@@ -1,0 +1,291 @@
+"""SeqClassifier and SeqRegressor: aeon estimators (and so scikit-learn estimators) for collections of
+time series of unequal length and any number of channels, trained with ParallelTrainer.
+
+They take aeon's collection formats (a 3D array (cases, channels, length), a list of 2D arrays
+(channels, length_i), a 2D array of univariate series, pandas forms) and fit a SeqNet (a recurrent
+encoder pooled over each series' own length) on every visible GPU, or the CPU. The defaults were
+chosen on the training splits only (docs/design.md, "Estimators"). Needs aeon: pip install '.[ts]'.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+try:
+    from aeon.classification import BaseClassifier
+    from aeon.regression import BaseRegressor
+    from aeon.utils.validation.collection import get_n_channels
+except ImportError:  # pragma: no cover - exercised in a subprocess without aeon
+    raise ImportError("vlseq_ext.estimators needs aeon: pip install 'vlseq_ext[ts]' (or pip install aeon)") from None
+from sklearn.utils import check_random_state
+
+from ..devices import parse_devices
+from .network import POOLINGS, RNNS, SeqNet
+from .training import (LR_SCHEDULES, SCALINGS, Scaler, as_series, predict_device, predict_outputs, trainer_options,
+                       train_network, validation_split)
+
+__all__ = ["SeqClassifier", "SeqRegressor"]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+        and bool(np.isfinite(v))
+
+
+def _precheck(X: Any) -> None:
+    """What aeon's own checks miss or answer with a numpy traceback: no X, no series, empty series,
+    series of different channel counts (named by index)."""
+    if X is None:
+        raise TypeError("X is None; expected a 3D array (cases, channels, length) or a list of 2D arrays "
+                        "(channels, length)")
+    if isinstance(X, np.ndarray):
+        if X.ndim >= 1 and X.shape[0] == 0:
+            raise ValueError("X holds no series")
+        if X.ndim in (2, 3) and X.shape[-1] == 0:
+            raise ValueError(f"X: the series are empty (shape {X.shape})")
+        if X.ndim == 3 and X.shape[1] == 0:
+            raise ValueError(f"X: the series have no channels (shape {X.shape})")
+        return
+    if isinstance(X, (list, tuple)):
+        if len(X) == 0:
+            raise ValueError("X holds no series")
+        if all(isinstance(x, np.ndarray) for x in X):
+            _check_series_shapes(X)
+
+
+def _check_series_shapes(X: List[np.ndarray]) -> None:
+    first = None
+    for i, x in enumerate(X):
+        if x.ndim not in (1, 2):
+            return  # aeon names other shapes
+        if x.size == 0:
+            raise ValueError(f"X: series {i} is empty (shape {x.shape})")
+        c = 1 if x.ndim == 1 else x.shape[0]
+        first = c if first is None else first
+        if c != first:
+            raise ValueError(f"X: series {i} has {c} channel(s) but series 0 has {first}")
+
+
+class _SeqEstimator:
+    """The parameters, checks, fit and prediction that SeqClassifier and SeqRegressor share.
+
+    Parameters
+    ----------
+    rnn : "gru" or "lstm"
+    hidden_size : int, units per direction of each recurrent layer
+    num_layers : int, stacked recurrent layers
+    bidirectional : bool
+    dropout : float in [0, 1), between layers and before the head
+    pooling : "meanmax", "mean", "max" or "last", over each series' own steps
+    n_epochs : int, the most epochs (early stopping usually ends sooner)
+    batch_size : int, series per optimizer step, split over the devices (when samples_per_device is None)
+    lr : float, AdamW's learning rate
+    weight_decay : float, AdamW's decoupled weight decay
+    lr_schedule : "plateau" (halve after patience // 3 epochs without improvement), "cosine" or None
+    validation_fraction : float in [0, 1), the part of the training data held out for early stopping
+        (stratified for classification); 0 trains on all of it for n_epochs
+    patience : int or None, epochs without a better validation loss before stopping; the weights of
+        the best epoch are restored either way
+    scaling : "standard" (per channel, fitted on the training part), "series" (each series on its
+        own) or None
+    clip_grad_norm : float or None
+    bucket_batches : int, batches drawn from one length-sorted group: 1 gives random batches, larger
+        values batches of more similar lengths (less padding)
+    devices : ParallelTrainer's device spec: "all" (every visible GPU, or the CPU), N, "cuda:0,cuda:1",
+        "cpu", "cpu:2"
+    samples_per_device : int or None (batch_size split over the devices)
+    trainer_kwargs : dict or None, further ParallelTrainer arguments (amp, cuda_graphs, pack, lanes,
+        accumulation_steps, nonfinite, graph_cache_size, ...)
+    random_state : int, RandomState or None
+    verbose : bool, a tqdm bar per epoch and a summary line
+    """
+
+    _tags = {
+        "capability:multivariate": True,
+        "capability:unequal_length": True,
+        "X_inner_type": "np-list",
+        "algorithm_type": "deeplearning",
+    }
+
+    def __init__(self, rnn: str = "gru", hidden_size: int = 64, num_layers: int = 1, bidirectional: bool = True,
+                 dropout: float = 0.1, pooling: str = "meanmax", n_epochs: int = 200, batch_size: int = 16,
+                 lr: float = 3e-3, weight_decay: float = 1e-2, lr_schedule: Optional[str] = "plateau",
+                 validation_fraction: float = 0.2, patience: Optional[int] = 30, scaling: Optional[str] = "standard",
+                 clip_grad_norm: Optional[float] = 1.0, bucket_batches: int = 4, devices: Any = "all",
+                 samples_per_device: Optional[int] = None, trainer_kwargs: Optional[Dict[str, Any]] = None,
+                 random_state: Any = None, verbose: bool = False) -> None:
+        self.rnn, self.hidden_size, self.num_layers = rnn, hidden_size, num_layers
+        self.bidirectional, self.dropout, self.pooling = bidirectional, dropout, pooling
+        self.n_epochs, self.batch_size, self.lr, self.weight_decay = n_epochs, batch_size, lr, weight_decay
+        self.lr_schedule, self.validation_fraction, self.patience = lr_schedule, validation_fraction, patience
+        self.scaling, self.clip_grad_norm, self.bucket_batches = scaling, clip_grad_norm, bucket_batches
+        self.devices, self.samples_per_device, self.trainer_kwargs = devices, samples_per_device, trainer_kwargs
+        self.random_state, self.verbose = random_state, verbose
+        super().__init__()
+
+    # -- checks -------------------------------------------------------------------------------------
+    def _check_params(self) -> None:
+        """Each parameter refused by name, before any work."""
+        def bad(name: str, what: str) -> ValueError:
+            return ValueError(f"{type(self).__name__}: {name} must be {what}, got {getattr(self, name)!r}")
+
+        choices = {"rnn": RNNS, "pooling": POOLINGS, "lr_schedule": LR_SCHEDULES, "scaling": SCALINGS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise bad(name, "one of " + ", ".join(map(repr, allowed)))
+        for name in ("hidden_size", "num_layers", "n_epochs", "batch_size", "bucket_batches"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "an int >= 1")
+        for name in ("samples_per_device", "patience"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise bad(name, "None or an int >= 1")
+        for name in ("lr", "clip_grad_norm"):
+            v = getattr(self, name)
+            if not (v is None and name == "clip_grad_norm") and not (_is_real(v) and v > 0):
+                raise bad(name, "a positive number" + (" or None" if name == "clip_grad_norm" else ""))
+        if not (_is_real(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight_decay", "a number >= 0")
+        for name in ("dropout", "validation_fraction"):
+            if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < 1):
+                raise bad(name, "a number in [0, 1)")
+        if not isinstance(self.bidirectional, (bool, np.bool_)):
+            raise bad("bidirectional", "True or False")
+        trainer_options(self.trainer_kwargs)
+
+    def _preprocess_collection(self, X, store_metadata=True):
+        _precheck(X)
+        return super()._preprocess_collection(X, store_metadata=store_metadata)
+
+    def _check_shape(self, X) -> None:
+        # aeon's own message is a tuple of two strings; this one is one line
+        fitted = self.metadata_.get("n_channels") if self.metadata_ else None
+        if fitted is not None and get_n_channels(X) != fitted:
+            raise ValueError(f"X has {get_n_channels(X)} channel(s) but {type(self).__name__} was fitted on "
+                             f"{fitted}")
+
+    # -- fit and predict ------------------------------------------------------------------------------
+    def _split(self, y: np.ndarray, stratify: bool) -> Tuple[int, np.ndarray, Optional[np.ndarray]]:
+        """Checks the parameters; (seed, training indices, validation indices or None)."""
+        self._check_params()
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        return (seed, *validation_split(y, self.validation_fraction, seed, stratify))
+
+    def _fit_network(self, X: List[np.ndarray], targets: np.ndarray, output_dim: int, loss_fn: nn.Module,
+                     seed: int, train_idx: np.ndarray, val_idx: Optional[np.ndarray]) -> None:
+        """Fits scaler_ and model_ on X (aeon np-list) and per-series targets (class indices, or
+        standardised values): trained on train_idx, validated on val_idx."""
+        series = as_series(X)
+        self.n_channels_ = series[0].shape[1]
+        self.scaler_ = Scaler(self.scaling).fit([series[i] for i in train_idx])
+        xs = [torch.from_numpy(s) for s in self.scaler_.transform(series)]
+        ys = [torch.as_tensor(t) for t in targets]
+        val = None if val_idx is None else ([xs[i] for i in val_idx], [ys[i] for i in val_idx])
+        cuda = [d.index for d in _devices_or_cpu(self.devices) if d.type == "cuda"]
+        with torch.random.fork_rng(devices=cuda):  # the user's random streams stay as they were
+            torch.manual_seed(seed)
+            model = SeqNet(self.n_channels_, output_dim, self.hidden_size, self.num_layers, self.rnn,
+                           bool(self.bidirectional), float(self.dropout), self.pooling)
+            info = train_network(model, [xs[i] for i in train_idx], [ys[i] for i in train_idx], val, loss_fn,
+                                 devices=self.devices, samples_per_device=self.samples_per_device,
+                                 batch_size=self.batch_size, n_epochs=self.n_epochs, lr=float(self.lr),
+                                 weight_decay=float(self.weight_decay), lr_schedule=self.lr_schedule,
+                                 patience=self.patience, clip_grad_norm=self.clip_grad_norm,
+                                 bucket_batches=self.bucket_batches, seed=seed, verbose=self.verbose,
+                                 trainer_kwargs=self.trainer_kwargs, desc=type(self).__name__)
+        self.model_ = model
+        self.history_ = info["history"]
+        self.best_epoch_ = info["best_epoch"]
+        self.n_epochs_ = info["n_epochs"]
+        self.stop_reason_ = info["stop_reason"]
+        self.validation_size_ = 0 if val_idx is None else len(val_idx)
+        self.train_seconds_ = info["fit_seconds"]
+
+    def _outputs(self, X: List[np.ndarray]) -> np.ndarray:
+        series = self.scaler_.transform(as_series(X, self.n_channels_))
+        return predict_outputs(self.model_, series, predict_device(self.devices))
+
+    @classmethod
+    def _get_test_params(cls, parameter_set: str = "default"):
+        # small and on the CPU, so aeon's checks run in seconds anywhere
+        return {"hidden_size": 4, "n_epochs": 3, "batch_size": 4, "patience": 2, "devices": "cpu"}
+
+
+def _devices_or_cpu(devices: Any) -> List[torch.device]:
+    try:
+        return parse_devices(devices)
+    except ValueError:
+        return [torch.device("cpu")]
+
+
+class SeqClassifier(_SeqEstimator, BaseClassifier):
+    __doc__ = ("Time series classifier for series of unequal length and any number of channels: a recurrent "
+               "network (vlseq_ext.estimators.SeqNet) trained with ParallelTrainer on every visible GPU, or the "
+               "CPU, with a stratified validation split, early stopping, a learning-rate schedule and input "
+               "scaling fitted on the training data.\n" + _SeqEstimator.__doc__.split("\n", 2)[2] +
+               "\n    Attributes: classes_, n_classes_, model_ (SeqNet on the CPU), scaler_, history_ (one dict per "
+               "epoch: loss, val_loss, lr), best_epoch_, n_epochs_, stop_reason_, validation_size_, train_seconds_.\n")
+
+    _tags = dict(_SeqEstimator._tags)
+
+    def _fit(self, X, y):
+        targets = np.array([self._class_dictionary[v] for v in y], dtype=np.int64)
+        self._fit_network(X, targets, self.n_classes_, nn.CrossEntropyLoss(), *self._split(targets, stratify=True))
+        return self
+
+    def _predict_proba(self, X) -> np.ndarray:
+        logits = self._outputs(X)
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return z / z.sum(axis=1, keepdims=True)
+
+    def _predict(self, X) -> np.ndarray:
+        return self.classes_[np.argmax(self._predict_proba(X), axis=1)]
+
+    def score(self, X, y, metric="accuracy", use_proba=False, metric_params=None) -> float:
+        """As aeon's, but labels that fit never saw are refused (ValueError naming them): they can
+        never be predicted, so any score would silently count them as errors."""
+        self._check_is_fitted()
+        labels = np.asarray(y.squeeze() if hasattr(y, "squeeze") else y)
+        if labels.ndim == 1:
+            known = set(self.classes_.tolist())
+            unseen = [v for v in dict.fromkeys(labels.tolist()) if v not in known]  # NaN included
+            if unseen:
+                shown = ", ".join(map(repr, unseen[:5])) + (", ..." if len(unseen) > 5 else "")
+                raise ValueError(f"y holds label(s) {shown} that fit never saw (classes: "
+                                 f"{', '.join(map(repr, self.classes_.tolist()))})")
+        return super().score(X, y, metric=metric, use_proba=use_proba, metric_params=metric_params)
+
+
+class SeqRegressor(_SeqEstimator, BaseRegressor):
+    __doc__ = ("Time series regressor for series of unequal length and any number of channels: a recurrent "
+               "network (vlseq_ext.estimators.SeqNet) trained with ParallelTrainer on every visible GPU, or the "
+               "CPU, on standardised targets (mean and scale of the training part), with a validation split, early "
+               "stopping, a learning-rate schedule and input scaling fitted on the training data.\n"
+               + _SeqEstimator.__doc__.split("\n", 2)[2] +
+               "\n    Attributes: model_, scaler_, y_mean_, y_scale_, history_, best_epoch_, n_epochs_, stop_reason_, "
+               "validation_size_, train_seconds_.\n")
+
+    _tags = dict(_SeqEstimator._tags)
+
+    def _fit(self, X, y):
+        y = np.asarray(y, dtype=np.float64)
+        if not np.isfinite(y).all():
+            i = int(np.argmax(~np.isfinite(y)))
+            raise ValueError(f"y: target {i} is {y[i]!r}; regression targets must be finite")
+        seed, train_idx, val_idx = self._split(y, stratify=False)
+        self.y_mean_ = float(y[train_idx].mean())  # from the training part, as the input scaling
+        std = float(y[train_idx].std())
+        self.y_scale_ = std if std > 0 else 1.0
+        z = ((y - self.y_mean_) / self.y_scale_).astype(np.float32)[:, None]
+        self._fit_network(X, z, 1, nn.MSELoss(), seed, train_idx, val_idx)
+        return self
+
+    def _predict(self, X) -> np.ndarray:
+        return self._outputs(X)[:, 0] * self.y_scale_ + self.y_mean_
