@@ -40,8 +40,8 @@ def _is_real(v: Any) -> bool:
 
 
 def _precheck(X: Any) -> None:
-    """What aeon's own checks miss or answer with a numpy traceback: no X, no series, empty series,
-    series of different channel counts (named by index)."""
+    """What aeon's own checks miss or answer with a numpy traceback or without naming the series: no
+    X, no series, empty series, series of different channel counts, NaN or inf."""
     if X is None:
         raise TypeError("X is None; expected a 3D array (cases, channels, length) or a list of 2D arrays "
                         "(channels, length)")
@@ -52,25 +52,38 @@ def _precheck(X: Any) -> None:
             raise ValueError(f"X: the series are empty (shape {X.shape})")
         if X.ndim == 3 and X.shape[1] == 0:
             raise ValueError(f"X: the series have no channels (shape {X.shape})")
+        if X.ndim in (2, 3):
+            _check_finite(X if X.ndim == 3 else X[:, None, :])
         return
     if isinstance(X, (list, tuple)):
         if len(X) == 0:
             raise ValueError("X holds no series")
-        if all(isinstance(x, np.ndarray) for x in X):
+        if all(isinstance(x, np.ndarray) and x.ndim in (1, 2) for x in X):
             _check_series_shapes(X)
+            _check_finite([x if x.ndim == 2 else x[None, :] for x in X])
 
 
 def _check_series_shapes(X: List[np.ndarray]) -> None:
     first = None
     for i, x in enumerate(X):
-        if x.ndim not in (1, 2):
-            return  # aeon names other shapes
         if x.size == 0:
             raise ValueError(f"X: series {i} is empty (shape {x.shape})")
         c = 1 if x.ndim == 1 else x.shape[0]
         first = c if first is None else first
         if c != first:
             raise ValueError(f"X: series {i} has {c} channel(s) but series 0 has {first}")
+
+
+def _check_finite(X: Any) -> None:
+    """The first NaN or inf of numeric series (channels, length), named by series, channel and step."""
+    for i, x in enumerate(X):
+        if x.dtype.kind != "f":  # integers are finite; other dtypes are aeon's to refuse
+            continue
+        bad = ~np.isfinite(x)
+        if bad.any():
+            c, t = np.unravel_index(int(np.argmax(bad)), x.shape)
+            what = "a NaN (missing values are not supported)" if np.isnan(x[c, t]) else f"the value {x[c, t]:g}"
+            raise ValueError(f"X: series {i} has {what} at channel {c}, step {t}")
 
 
 class _SeqEstimator:
@@ -84,6 +97,8 @@ class _SeqEstimator:
     bidirectional : bool
     dropout : float in [0, 1), between layers and before the head
     pooling : "meanmax", "mean", "max" or "last", over each series' own steps
+    length_feature : bool, the series' log length (standardised on the training part) joins the
+        pooled features: length is information that padding or cropping would lose
     n_epochs : int, the most epochs (early stopping usually ends sooner)
     batch_size : int, series per optimizer step, split over the devices (when samples_per_device is None)
     lr : float, AdamW's learning rate
@@ -115,7 +130,7 @@ class _SeqEstimator:
     }
 
     def __init__(self, rnn: str = "gru", hidden_size: int = 64, num_layers: int = 1, bidirectional: bool = True,
-                 dropout: float = 0.1, pooling: str = "meanmax", n_epochs: int = 200, batch_size: int = 16,
+                 dropout: float = 0.1, pooling: str = "meanmax", length_feature: bool = True, n_epochs: int = 200, batch_size: int = 16,
                  lr: float = 3e-3, weight_decay: float = 1e-2, lr_schedule: Optional[str] = "plateau",
                  validation_fraction: float = 0.2, patience: Optional[int] = 30, scaling: Optional[str] = "standard",
                  clip_grad_norm: Optional[float] = 1.0, bucket_batches: int = 4, devices: Any = "all",
@@ -123,6 +138,7 @@ class _SeqEstimator:
                  random_state: Any = None, verbose: bool = False) -> None:
         self.rnn, self.hidden_size, self.num_layers = rnn, hidden_size, num_layers
         self.bidirectional, self.dropout, self.pooling = bidirectional, dropout, pooling
+        self.length_feature = length_feature
         self.n_epochs, self.batch_size, self.lr, self.weight_decay = n_epochs, batch_size, lr, weight_decay
         self.lr_schedule, self.validation_fraction, self.patience = lr_schedule, validation_fraction, patience
         self.scaling, self.clip_grad_norm, self.bucket_batches = scaling, clip_grad_norm, bucket_batches
@@ -156,9 +172,11 @@ class _SeqEstimator:
         for name in ("dropout", "validation_fraction"):
             if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < 1):
                 raise bad(name, "a number in [0, 1)")
-        if not isinstance(self.bidirectional, (bool, np.bool_)):
-            raise bad("bidirectional", "True or False")
+        for name in ("bidirectional", "length_feature", "verbose"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise bad(name, "True or False")
         trainer_options(self.trainer_kwargs)
+        parse_devices(self.devices)  # "devices 'cuda:3': cuda:3 does not exist (visible GPUs: cuda:0)"
 
     def _preprocess_collection(self, X, store_metadata=True):
         _precheck(X)
@@ -192,7 +210,8 @@ class _SeqEstimator:
         with torch.random.fork_rng(devices=cuda):  # the user's random streams stay as they were
             torch.manual_seed(seed)
             model = SeqNet(self.n_channels_, output_dim, self.hidden_size, self.num_layers, self.rnn,
-                           bool(self.bidirectional), float(self.dropout), self.pooling)
+                           bool(self.bidirectional), float(self.dropout), self.pooling, bool(self.length_feature))
+            model.set_length_stats([len(series[i]) for i in train_idx])
             info = train_network(model, [xs[i] for i in train_idx], [ys[i] for i in train_idx], val, loss_fn,
                                  devices=self.devices, samples_per_device=self.samples_per_device,
                                  batch_size=self.batch_size, n_epochs=self.n_epochs, lr=float(self.lr),
@@ -206,6 +225,7 @@ class _SeqEstimator:
         self.n_epochs_ = info["n_epochs"]
         self.stop_reason_ = info["stop_reason"]
         self.validation_size_ = 0 if val_idx is None else len(val_idx)
+        self.train_index_ = train_idx
         self.train_seconds_ = info["fit_seconds"]
 
     def _outputs(self, X: List[np.ndarray]) -> np.ndarray:
@@ -231,7 +251,8 @@ class SeqClassifier(_SeqEstimator, BaseClassifier):
                "CPU, with a stratified validation split, early stopping, a learning-rate schedule and input "
                "scaling fitted on the training data.\n" + _SeqEstimator.__doc__.split("\n", 2)[2] +
                "\n    Attributes: classes_, n_classes_, model_ (SeqNet on the CPU), scaler_, history_ (one dict per "
-               "epoch: loss, val_loss, lr), best_epoch_, n_epochs_, stop_reason_, validation_size_, train_seconds_.\n")
+               "epoch: loss, val_loss, lr), best_epoch_ (its index), n_epochs_, stop_reason_, train_index_ (the series trained on; "
+               "the rest validated), validation_size_, train_seconds_.\n")
 
     _tags = dict(_SeqEstimator._tags)
 
@@ -270,15 +291,12 @@ class SeqRegressor(_SeqEstimator, BaseRegressor):
                "stopping, a learning-rate schedule and input scaling fitted on the training data.\n"
                + _SeqEstimator.__doc__.split("\n", 2)[2] +
                "\n    Attributes: model_, scaler_, y_mean_, y_scale_, history_, best_epoch_, n_epochs_, stop_reason_, "
-               "validation_size_, train_seconds_.\n")
+               "train_index_, validation_size_, train_seconds_.\n")
 
     _tags = dict(_SeqEstimator._tags)
 
     def _fit(self, X, y):
-        y = np.asarray(y, dtype=np.float64)
-        if not np.isfinite(y).all():
-            i = int(np.argmax(~np.isfinite(y)))
-            raise ValueError(f"y: target {i} is {y[i]!r}; regression targets must be finite")
+        y = np.asarray(y, dtype=np.float64)  # finite: aeon's check_regression_y refuses NaN and inf
         seed, train_idx, val_idx = self._split(y, stratify=False)
         self.y_mean_ = float(y[train_idx].mean())  # from the training part, as the input scaling
         std = float(y[train_idx].std())

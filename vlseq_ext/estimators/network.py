@@ -30,13 +30,15 @@ class SeqNet(nn.Module):
 
     pooling: "last" (the final state of each direction: the forward direction at the series' last
     step, the reverse one at its first), "mean" or "max" over the valid steps of the last layer's
-    outputs, or "meanmax" (both, concatenated). Each layer and direction is its own one-layer RNN so
-    that the reverse direction can start at each series' own end (a flip within its length).
+    outputs, or "meanmax" (both, concatenated). length_feature: the series' standardised log length
+    joins the pooled features (after set_length_stats(training lengths)). Each layer and direction
+    is its own one-layer RNN so that the reverse direction can start at each series' own end (a
+    flip within its length).
     """
 
     def __init__(self, input_dim: int, output_dim: int, hidden_dim: int = 64, num_layers: int = 1,
                  rnn: str = "gru", bidirectional: bool = True, dropout: float = 0.0,
-                 pooling: str = "meanmax") -> None:
+                 pooling: str = "meanmax", length_feature: bool = False) -> None:
         super().__init__()
         if rnn not in RNNS:
             raise ValueError(f"rnn must be one of {RNNS}, got {rnn!r}")
@@ -55,7 +57,16 @@ class SeqNet(nn.Module):
                                  for i in range(num_layers))
         self.bwd = nn.ModuleList(cls(input_dim if i == 0 else width, hidden_dim, batch_first=True)
                                  for i in range(num_layers)) if bidirectional else None
-        self.head = nn.Linear(width * (2 if pooling == "meanmax" else 1), output_dim)
+        self.length_feature = bool(length_feature)
+        # log-length standardised with the training set's statistics (set_length_stats)
+        self.register_buffer("length_stats", torch.tensor([0.0, 1.0]))
+        self.head = nn.Linear(width * (2 if pooling == "meanmax" else 1) + self.length_feature, output_dim)
+
+    def set_length_stats(self, lengths: Sequence[int]) -> None:
+        """Mean and standard deviation of log(length) over the training series, for length_feature."""
+        logs = torch.log(torch.as_tensor(list(lengths), dtype=torch.float64))
+        std = float(logs.std(unbiased=False)) if len(logs) > 1 else 0.0
+        self.length_stats.copy_(torch.tensor([float(logs.mean()), std if std > 1e-6 else 1.0]))
 
     def forward(self, x: Union[Tensor, Sequence[Tensor]]) -> Tensor:
         if isinstance(x, (list, tuple)):
@@ -85,6 +96,10 @@ class SeqNet(nn.Module):
             if self.dropout and layer < len(self.fwd) - 1:
                 h = F.dropout(h, self.dropout, self.training)
         feat = self._pool(h, lengths, valid)
+        if self.length_feature:  # a series' length is information that padding or cropping would lose
+            stats = self.length_stats.to(feat.dtype)
+            z = (torch.log(lengths.to(feat.dtype)) - stats[0]) / stats[1]
+            feat = torch.cat([feat, z.unsqueeze(-1)], dim=-1)
         return self.head(F.dropout(feat, self.dropout, self.training) if self.dropout else feat)
 
     def _pool(self, h: Tensor, lengths: Tensor, valid: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 # the estimator's own choices; trainer_kwargs may not set them again
 _OWN_TRAINER_ARGS = ("model", "optimizer", "loss_fn", "devices", "samples_per_device", "reduction",
                      "clip_grad_norm")
+_TRAINER_ARGS = frozenset(inspect.signature(ParallelTrainer.__init__).parameters) - {"self"}
 
 
 def as_series(X: Sequence[np.ndarray], n_channels: Optional[int] = None) -> List[np.ndarray]:
@@ -56,7 +57,7 @@ def as_series(X: Sequence[np.ndarray], n_channels: Optional[int] = None) -> List
             c, t = np.unravel_index(int(np.argmax(~np.isfinite(f.T))), a.shape)
             v = a[c, t]
             why = "overflows float32" if np.isfinite(v) else "is not finite"
-            raise ValueError(f"X: series {i} has the value {v!r} at channel {c}, step {t}, which {why}")
+            raise ValueError(f"X: series {i} has the value {float(v):g} at channel {c}, step {t}, which {why}")
         out.append(f)
     return out
 
@@ -128,7 +129,7 @@ def trainer_options(trainer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if not isinstance(trainer_kwargs, dict):
         raise ValueError(f"trainer_kwargs must be a dict of ParallelTrainer arguments or None, "
                          f"got {type(trainer_kwargs).__name__}")
-    known = set(inspect.signature(ParallelTrainer.__init__).parameters) - {"self"}
+    known = _TRAINER_ARGS
     own = sorted(set(trainer_kwargs) & set(_OWN_TRAINER_ARGS))
     if own:
         raise ValueError(f"trainer_kwargs: {', '.join(own)} are the estimator's own parameters; set them on the "
