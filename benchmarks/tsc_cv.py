@@ -61,7 +61,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 clf.fit([X[i] for i in tr], y[tr])
                 secs.append(time.perf_counter() - t0)
-                epochs.append(clf.n_epochs_)
+                epochs.append(statistics.mean(len(h) for h in clf.histories_))
                 accs.append(float(np.mean(clf.predict([X[i] for i in te]) == y[te])))
         rec = {"data": args.data, "config": text, "folds": args.folds, "repeats": args.repeats,
                "cv_acc": statistics.mean(accs), "cv_acc_sd": statistics.pstdev(accs),

@@ -62,11 +62,11 @@ def test_learns_ragged_series_with_string_labels(data, fitted):
     assert (fitted.classes_[proba.argmax(1)] == pred).all()
     assert fitted.score(Xt, yt) == np.mean(pred == yt)
     # validation split: 20% per class, early stopping restored the best epoch
-    assert fitted.validation_size_ == 12
-    val_losses = [h["val_loss"] for h in fitted.history_]
-    assert val_losses[fitted.best_epoch_] == min(val_losses)
-    assert fitted.stop_reason_ in ("early_stopping", "epochs")
-    assert all(p.device.type == "cpu" for p in fitted.model_.parameters())
+    assert len(fitted.models_) == 1 and len(fitted.train_indices_[0]) == 48
+    val_losses = [h["val_loss"] for h in fitted.histories_[0]]
+    assert val_losses[fitted.best_epochs_[0]] == min(val_losses)
+    assert fitted.stop_reasons_[0] in ("early_stopping", "epochs")
+    assert all(p.device.type == "cpu" for p in fitted.models_[0].parameters())
 
 
 def test_restored_weights_are_the_best_epochs(data):
@@ -75,13 +75,14 @@ def test_restored_weights_are_the_best_epochs(data):
     (X, y), _ = data
     y = np.random.default_rng(5).permutation(y)  # labels the series cannot predict: memorising them overfits
     clf = SeqClassifier(random_state=1, **dict(SMALL, n_epochs=60, patience=3, lr=0.03, hidden_size=16)).fit(X, y)
-    assert clf.stop_reason_ == "early_stopping" and clf.n_epochs_ == clf.best_epoch_ + 1 + 3
-    val = np.flatnonzero(np.isin(np.arange(len(X)), clf.train_index_, invert=True))
+    history, best = clf.histories_[0], clf.best_epochs_[0]
+    assert clf.stop_reasons_ == ["early_stopping"] and len(history) == best + 1 + 3
+    val = np.flatnonzero(np.isin(np.arange(len(X)), clf.train_indices_[0], invert=True))
     proba = clf.predict_proba([X[i] for i in val])
     codes = np.searchsorted(clf.classes_, y[val])
     loss = -np.mean(np.log(proba[np.arange(len(val)), codes]))
-    assert abs(loss - clf.history_[clf.best_epoch_]["val_loss"]) < 1e-4
-    assert clf.history_[-1]["val_loss"] > clf.history_[clf.best_epoch_]["val_loss"]
+    assert abs(loss - history[best]["val_loss"]) < 1e-4
+    assert history[-1]["val_loss"] > history[best]["val_loss"]
 
 
 def test_same_random_state_same_model(data):
@@ -136,19 +137,19 @@ def test_sklearn_model_selection_on_ragged_lists(data):
     grid.fit(X, y)
     assert set(grid.best_params_) == {"hidden_size", "pooling"} and len(grid.cv_results_["params"]) == 4
     assert grid.predict(X[:5]).shape == (5,)
-    assert grid.best_estimator_.model_.head.in_features == \
+    assert grid.best_estimator_.models_[0].head.in_features == \
         grid.best_params_["hidden_size"] * 2 * (2 if grid.best_params_["pooling"] == "meanmax" else 1) + 1
 
 
 def test_clone_and_set_params_then_fit(data, fitted):
     (X, y), _ = data
     twin = clone(fitted)
-    assert twin.get_params() == fitted.get_params() and not twin.is_fitted and not hasattr(twin, "model_")
+    assert twin.get_params() == fitted.get_params() and not twin.is_fitted and not hasattr(twin, "models_")
     twin.set_params(hidden_size=3, rnn="lstm", bidirectional=False, n_epochs=2)
     twin.fit(X, y)
-    assert twin.model_.fwd[0].hidden_size == 3 and twin.model_.bwd is None
-    assert isinstance(twin.model_.fwd[0], torch.nn.LSTM)
-    assert fitted.model_.fwd[0].hidden_size == 8  # the original is untouched
+    assert twin.models_[0].fwd[0].hidden_size == 3 and twin.models_[0].bwd is None
+    assert isinstance(twin.models_[0].fwd[0], torch.nn.LSTM)
+    assert fitted.models_[0].fwd[0].hidden_size == 8  # the original is untouched
 
 
 def test_devices_and_trainer_options_reach_the_trainer(data, monkeypatch):
@@ -176,14 +177,14 @@ def test_learning_rate_schedules(data):
     (X, y), _ = data
     cos = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=6, lr_schedule="cosine", validation_fraction=0.0,
                                                 lr=0.01)).fit(X, y)
-    lrs = [h["lr"] for h in cos.history_]
+    lrs = [h["lr"] for h in cos.histories_[0]]
     expected = [1e-4 + (0.01 - 1e-4) * (1 + np.cos(np.pi * e / 6)) / 2 for e in range(6)]
     np.testing.assert_allclose(lrs, expected, rtol=1e-9)
-    assert cos.n_epochs_ == 6 and cos.validation_size_ == 0 and "val_loss" not in cos.history_[0]
+    assert len(cos.histories_[0]) == 6 and len(cos.train_indices_[0]) == 60 and "val_loss" not in cos.histories_[0][0]
     flat = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=4, lr_schedule=None)).fit(X, y)
-    assert {h["lr"] for h in flat.history_} == {flat.lr}
+    assert {h["lr"] for h in flat.histories_[0]} == {flat.lr}
     plateau = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=60, patience=6, lr=0.05)).fit(X, y)
-    lrs = [h["lr"] for h in plateau.history_]
+    lrs = [h["lr"] for h in plateau.histories_[0]]
     assert lrs[0] == 0.05 and min(lrs) < 0.05 and all(b <= a for a, b in zip(lrs, lrs[1:]))
 
 
@@ -204,7 +205,7 @@ def test_regressor_on_ragged_series_in_original_units():
     reg = SeqRegressor(random_state=0, **dict(SMALL, n_epochs=60, patience=15)).fit(X[:60], y[:60])
     pred = reg.predict(X[60:])
     assert pred.shape == (20,) and reg.score(X[60:], y[60:]) > 0.8
-    assert abs(reg.y_mean_ - y[reg.train_index_].mean()) < 1e-9  # fitted on the training part
+    assert abs(reg.y_mean_ - y[:60].mean()) < 1e-9 and abs(reg.y_scale_ - y[:60].std()) < 1e-9
     with pytest.raises(ValueError, match=r"^Input y contains infinity"):  # aeon's own check
         SeqRegressor(**SMALL).fit(X[:10], np.r_[y[:3], np.inf, y[4:10]])
 
@@ -298,7 +299,7 @@ def test_gpu_fit_comes_back_on_the_cpu_and_repeats(data):
     rounding: cuDNN may reorder sums)."""
     (X, y), (Xt, yt) = data
     a = SeqClassifier(random_state=0, **dict(SMALL, devices="cuda:0")).fit(X, y)
-    assert all(p.device.type == "cpu" for p in a.model_.parameters()) and a.score(Xt, yt) >= 0.9
+    assert all(p.device.type == "cpu" for p in a.models_[0].parameters()) and a.score(Xt, yt) >= 0.9
     c = pickle.loads(pickle.dumps(a)).set_params(devices="cpu")
     np.testing.assert_allclose(c.predict_proba(Xt), a.predict_proba(Xt), atol=1e-4)
     fixed = dict(SMALL, devices="cuda:0", n_epochs=10, patience=None, validation_fraction=0.0)

@@ -15,17 +15,17 @@ from torch import nn
 
 from vlseq_ext import ParallelTrainer
 from vlseq_ext.estimators.network import SeqNet
-from vlseq_ext.estimators.training import Scaler, as_series, trainer_options, validation_split
+from vlseq_ext.estimators.training import Scaler, as_series, trainer_options, validation_folds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CONFIGS = [  # rnn, bidirectional, layers, pooling, length_feature
-    ("gru", True, 1, "meanmax", True),
-    ("lstm", True, 2, "last", False),
-    ("gru", False, 2, "max", False),
-    ("lstm", False, 1, "mean", True),
-    ("gru", True, 2, "last", True),
-    ("lstm", True, 1, "max", False),
+CONFIGS = [  # rnn, bidirectional, layers, pooling, length_feature, (conv channels, kernel, stride)
+    ("gru", True, 1, "meanmax", True, (0, 5, 1)),
+    ("lstm", True, 2, "last", False, (4, 3, 1)),
+    ("gru", False, 2, "max", False, (0, 5, 1)),
+    ("lstm", False, 1, "mean", True, (3, 5, 2)),
+    ("gru", True, 2, "last", True, (2, 7, 3)),
+    ("lstm", True, 1, "max", False, (0, 5, 1)),
 ]
 
 
@@ -34,11 +34,12 @@ def ragged(rand, n=5, dim=3, lo=1, hi=13):
     return [rand.randn(L, dim, dtype=torch.float64) for L in lengths]
 
 
-@pytest.mark.parametrize("rnn,bidirectional,layers,pooling,length_feature", CONFIGS)
-def test_padded_batch_equals_each_series_alone(rand, rnn, bidirectional, layers, pooling, length_feature):
+@pytest.mark.parametrize("rnn,bidirectional,layers,pooling,length_feature,conv", CONFIGS)
+def test_padded_batch_equals_each_series_alone(rand, rnn, bidirectional, layers, pooling, length_feature, conv):
     torch.manual_seed(rand.seed % 2**31)
     net = SeqNet(3, 4, hidden_dim=5, num_layers=layers, rnn=rnn, bidirectional=bidirectional, dropout=0.0,
-                 pooling=pooling, length_feature=length_feature).double()
+                 pooling=pooling, length_feature=length_feature, conv_channels=conv[0], conv_kernel=conv[1],
+                 conv_stride=conv[2]).double()
     xs = ragged(rand)
     net.set_length_stats([len(x) for x in xs])
     T = max(len(x) for x in xs) + 4
@@ -133,17 +134,20 @@ def test_scaling_is_fitted_on_what_it_is_given(rand):
         Scaler("minmax")
 
 
-def test_validation_split_is_stratified_and_leaves_every_class_in_training():
+def test_validation_folds_are_stratified_and_cover_every_series():
     y = np.repeat(np.arange(10), 5)
-    tr, va = validation_split(y, 0.2, seed=3, stratify=True)
-    assert sorted(np.concatenate([tr, va]).tolist()) == list(range(50))
-    assert np.bincount(y[va]).tolist() == [1] * 10 and np.bincount(y[tr]).tolist() == [4] * 10
-    tr2, va2 = validation_split(y, 0.2, seed=3, stratify=True)
-    assert va2.tolist() == va.tolist()  # the seed fixes it
-    assert validation_split(np.array([0, 0, 1, 1, 2]), 0.2, 0, True)[1] is None  # class 2 has one series
-    assert validation_split(np.arange(3.0), 0.5, 0, False)[1] is None  # too few series
-    assert len(validation_split(np.arange(10.0), 0.3, 0, False)[1]) == 3
-    assert validation_split(y, 0.0, 0, True)[1] is None
+    folds = validation_folds(y, 0.2, seed=3, stratify=True, count=6)
+    for tr, va in folds:
+        assert sorted(np.concatenate([tr, va]).tolist()) == list(range(50))
+        assert np.bincount(y[va]).tolist() == [1] * 10 and np.bincount(y[tr]).tolist() == [4] * 10
+    assert sorted(np.concatenate([va for _, va in folds[:5]]).tolist()) == list(range(50))  # 5 disjoint folds
+    assert folds[5][1].tolist() == folds[0][1].tolist()  # the sixth network validates on fold 0 again
+    again = validation_folds(y, 0.2, seed=3, stratify=True)
+    assert len(again) == 1 and again[0][1].tolist() == folds[0][1].tolist()  # the seed fixes them
+    assert validation_folds(np.array([0, 0, 1, 1, 2]), 0.2, 0, True)[0][1] is None  # class 2 has one series
+    assert validation_folds(np.arange(3.0), 0.5, 0, False)[0][1] is None  # too few series
+    assert [len(va) for _, va in validation_folds(np.zeros(10), 0.3, 0, False, 3)] == [4, 3, 3]
+    assert all(va is None and len(tr) == 50 for tr, va in validation_folds(y, 0.0, 0, True, 2))
 
 
 def test_trainer_kwargs_are_checked_by_name():

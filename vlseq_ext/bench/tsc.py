@@ -20,7 +20,7 @@ Targets (issue 23): median test accuracy over the seeds >= 0.98 (JapaneseVowels)
 Results (bench-results.json, "tsc"): per data set {n_train, n_test, channels, classes, min_length,
 max_length, accuracy.<method>, accuracy_spread.<method>, fit_s.<method>, fit_s_spread.<method>,
 predict_s.<method>, predict_s_spread.<method>, runs.<method>: [{seed, accuracy, fit_s, predict_s,
-epochs?, best_epoch?}], devices.<method>, notes.<method>}; targets: {<data set>: {accuracy_target,
+epochs?, best_epochs? (per network)}], devices.<method>, notes.<method>}; targets: {<data set>: {accuracy_target,
 fit_s_target, status: "met"|"missed"|"not run", detail}}.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _run(res: Results, name: str, method: str, seeds: List[int], gpu_spec: str) 
         predict_s = time.perf_counter() - t0
         run = {"seed": seed, "accuracy": float(np.mean(pred == data["yt"])), "fit_s": fit_s, "predict_s": predict_s}
         if ours:
-            run.update(epochs=clf.n_epochs_, best_epoch=clf.best_epoch_)
+            run.update(epochs=[len(h) for h in clf.histories_], best_epochs=clf.best_epochs_)
         runs.append(run)
     for metric in ("accuracy", "fit_s", "predict_s"):
         res.record(f"{path}.{metric}", method, [r[metric] for r in runs])

@@ -25,7 +25,7 @@ from sklearn.utils import check_random_state
 from ..devices import parse_devices
 from .network import POOLINGS, RNNS, SeqNet
 from .training import (LR_SCHEDULES, SCALINGS, Scaler, as_series, predict_device, predict_outputs, trainer_options,
-                       train_network, validation_split)
+                       train_network, validation_folds)
 
 __all__ = ["SeqClassifier", "SeqRegressor"]
 
@@ -130,7 +130,8 @@ class _SeqEstimator:
     }
 
     def __init__(self, rnn: str = "gru", hidden_size: int = 64, num_layers: int = 1, bidirectional: bool = True,
-                 dropout: float = 0.1, pooling: str = "meanmax", length_feature: bool = True, n_epochs: int = 200, batch_size: int = 16,
+                 dropout: float = 0.1, pooling: str = "meanmax", length_feature: bool = True,
+                 conv_channels: int = 0, conv_kernel: int = 5, conv_stride: int = 1, n_networks: int = 1, augment: float = 0.0, n_epochs: int = 200, batch_size: int = 16,
                  lr: float = 3e-3, weight_decay: float = 1e-2, lr_schedule: Optional[str] = "plateau",
                  validation_fraction: float = 0.2, patience: Optional[int] = 30, scaling: Optional[str] = "standard",
                  clip_grad_norm: Optional[float] = 1.0, bucket_batches: int = 4, devices: Any = "all",
@@ -139,6 +140,8 @@ class _SeqEstimator:
         self.rnn, self.hidden_size, self.num_layers = rnn, hidden_size, num_layers
         self.bidirectional, self.dropout, self.pooling = bidirectional, dropout, pooling
         self.length_feature = length_feature
+        self.conv_channels, self.conv_kernel, self.conv_stride = conv_channels, conv_kernel, conv_stride
+        self.n_networks, self.augment = n_networks, augment
         self.n_epochs, self.batch_size, self.lr, self.weight_decay = n_epochs, batch_size, lr, weight_decay
         self.lr_schedule, self.validation_fraction, self.patience = lr_schedule, validation_fraction, patience
         self.scaling, self.clip_grad_norm, self.bucket_batches = scaling, clip_grad_norm, bucket_batches
@@ -156,7 +159,8 @@ class _SeqEstimator:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, "one of " + ", ".join(map(repr, allowed)))
-        for name in ("hidden_size", "num_layers", "n_epochs", "batch_size", "bucket_batches"):
+        for name in ("hidden_size", "num_layers", "n_networks", "n_epochs", "batch_size", "bucket_batches",
+                     "conv_kernel", "conv_stride"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "an int >= 1")
         for name in ("samples_per_device", "patience"):
@@ -167,9 +171,13 @@ class _SeqEstimator:
             v = getattr(self, name)
             if not (v is None and name == "clip_grad_norm") and not (_is_real(v) and v > 0):
                 raise bad(name, "a positive number" + (" or None" if name == "clip_grad_norm" else ""))
+        if self.conv_kernel % 2 == 0:
+            raise bad("conv_kernel", "odd")
+        if not _is_int(self.conv_channels) or self.conv_channels < 0:
+            raise bad("conv_channels", "an int >= 0 (0: no convolution)")
         if not (_is_real(self.weight_decay) and self.weight_decay >= 0):
             raise bad("weight_decay", "a number >= 0")
-        for name in ("dropout", "validation_fraction"):
+        for name in ("dropout", "validation_fraction", "augment"):
             if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < 1):
                 raise bad(name, "a number in [0, 1)")
         for name in ("bidirectional", "length_feature", "verbose"):
@@ -190,59 +198,53 @@ class _SeqEstimator:
                              f"{fitted}")
 
     # -- fit and predict ------------------------------------------------------------------------------
-    def _split(self, y: np.ndarray, stratify: bool) -> Tuple[int, np.ndarray, Optional[np.ndarray]]:
-        """Checks the parameters; (seed, training indices, validation indices or None)."""
-        self._check_params()
-        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        return (seed, *validation_split(y, self.validation_fraction, seed, stratify))
-
-    def _fit_network(self, X: List[np.ndarray], targets: np.ndarray, output_dim: int, loss_fn: nn.Module,
-                     seed: int, train_idx: np.ndarray, val_idx: Optional[np.ndarray]) -> None:
-        """Fits scaler_ and model_ on X (aeon np-list) and per-series targets (class indices, or
-        standardised values): trained on train_idx, validated on val_idx."""
+    def _fit_networks(self, X: List[np.ndarray], targets: np.ndarray, output_dim: int, loss_fn: nn.Module,
+                      stratify: bool) -> None:
+        """Fits scaler_ and models_ on X (aeon np-list) and per-series targets (class indices, or
+        standardised values): n_networks networks, network m validated on fold m of the
+        validation folds and trained on the rest."""
         series = as_series(X)
         self.n_channels_ = series[0].shape[1]
-        self.scaler_ = Scaler(self.scaling).fit([series[i] for i in train_idx])
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        splits = validation_folds(targets if stratify else np.zeros(len(series)), self.validation_fraction, seed,
+                                  stratify, self.n_networks)
+        self.scaler_ = Scaler(self.scaling).fit(series)
         xs = [torch.from_numpy(s) for s in self.scaler_.transform(series)]
         ys = [torch.as_tensor(t) for t in targets]
-        val = None if val_idx is None else ([xs[i] for i in val_idx], [ys[i] for i in val_idx])
-        cuda = [d.index for d in _devices_or_cpu(self.devices) if d.type == "cuda"]
+        cuda = [d.index for d in parse_devices(self.devices) if d.type == "cuda"]
+        self.models_, self.histories_, self.best_epochs_, self.stop_reasons_, self.train_indices_ = [], [], [], [], []
         with torch.random.fork_rng(devices=cuda):  # the user's random streams stay as they were
-            torch.manual_seed(seed)
-            model = SeqNet(self.n_channels_, output_dim, self.hidden_size, self.num_layers, self.rnn,
-                           bool(self.bidirectional), float(self.dropout), self.pooling, bool(self.length_feature))
-            model.set_length_stats([len(series[i]) for i in train_idx])
-            info = train_network(model, [xs[i] for i in train_idx], [ys[i] for i in train_idx], val, loss_fn,
-                                 devices=self.devices, samples_per_device=self.samples_per_device,
-                                 batch_size=self.batch_size, n_epochs=self.n_epochs, lr=float(self.lr),
-                                 weight_decay=float(self.weight_decay), lr_schedule=self.lr_schedule,
-                                 patience=self.patience, clip_grad_norm=self.clip_grad_norm,
-                                 bucket_batches=self.bucket_batches, seed=seed, verbose=self.verbose,
-                                 trainer_kwargs=self.trainer_kwargs, desc=type(self).__name__)
-        self.model_ = model
-        self.history_ = info["history"]
-        self.best_epoch_ = info["best_epoch"]
-        self.n_epochs_ = info["n_epochs"]
-        self.stop_reason_ = info["stop_reason"]
-        self.validation_size_ = 0 if val_idx is None else len(val_idx)
-        self.train_index_ = train_idx
-        self.train_seconds_ = info["fit_seconds"]
+            for m, (train_idx, val_idx) in enumerate(splits):
+                torch.manual_seed(seed + m)
+                model = SeqNet(self.n_channels_, output_dim, self.hidden_size, self.num_layers, self.rnn,
+                               bool(self.bidirectional), float(self.dropout), self.pooling, bool(self.length_feature),
+                               self.conv_channels, self.conv_kernel, self.conv_stride)
+                model.set_length_stats([len(s) for s in series])
+                val = None if val_idx is None else ([xs[i] for i in val_idx], [ys[i] for i in val_idx])
+                desc = type(self).__name__ + (f" {m + 1}/{len(splits)}" if len(splits) > 1 else "")
+                info = train_network(model, [xs[i] for i in train_idx], [ys[i] for i in train_idx], val, loss_fn,
+                                     devices=self.devices, samples_per_device=self.samples_per_device,
+                                     batch_size=self.batch_size, n_epochs=self.n_epochs, lr=float(self.lr),
+                                     weight_decay=float(self.weight_decay), lr_schedule=self.lr_schedule,
+                                     patience=self.patience, clip_grad_norm=self.clip_grad_norm,
+                                     bucket_batches=self.bucket_batches, seed=seed + m, verbose=self.verbose,
+                                     trainer_kwargs=self.trainer_kwargs, augment=float(self.augment), desc=desc)
+                self.models_.append(model)
+                self.histories_.append(info["history"])
+                self.best_epochs_.append(info["best_epoch"])
+                self.stop_reasons_.append(info["stop_reason"])
+                self.train_indices_.append(train_idx)
 
     def _outputs(self, X: List[np.ndarray]) -> np.ndarray:
+        """Each network's outputs for X: (networks, series, outputs)."""
         series = self.scaler_.transform(as_series(X, self.n_channels_))
-        return predict_outputs(self.model_, series, predict_device(self.devices))
+        device = predict_device(self.devices)
+        return np.stack([predict_outputs(m, series, device) for m in self.models_])
 
     @classmethod
     def _get_test_params(cls, parameter_set: str = "default"):
         # small and on the CPU, so aeon's checks run in seconds anywhere
         return {"hidden_size": 4, "n_epochs": 3, "batch_size": 4, "patience": 2, "devices": "cpu"}
-
-
-def _devices_or_cpu(devices: Any) -> List[torch.device]:
-    try:
-        return parse_devices(devices)
-    except ValueError:
-        return [torch.device("cpu")]
 
 
 class SeqClassifier(_SeqEstimator, BaseClassifier):
@@ -257,14 +259,15 @@ class SeqClassifier(_SeqEstimator, BaseClassifier):
     _tags = dict(_SeqEstimator._tags)
 
     def _fit(self, X, y):
+        self._check_params()
         targets = np.array([self._class_dictionary[v] for v in y], dtype=np.int64)
-        self._fit_network(X, targets, self.n_classes_, nn.CrossEntropyLoss(), *self._split(targets, stratify=True))
+        self._fit_networks(X, targets, self.n_classes_, nn.CrossEntropyLoss(), stratify=True)
         return self
 
     def _predict_proba(self, X) -> np.ndarray:
         logits = self._outputs(X)
-        z = np.exp(logits - logits.max(axis=1, keepdims=True))
-        return z / z.sum(axis=1, keepdims=True)
+        z = np.exp(logits - logits.max(axis=2, keepdims=True))
+        return (z / z.sum(axis=2, keepdims=True)).mean(0)  # the networks' probabilities, averaged
 
     def _predict(self, X) -> np.ndarray:
         return self.classes_[np.argmax(self._predict_proba(X), axis=1)]
@@ -296,14 +299,14 @@ class SeqRegressor(_SeqEstimator, BaseRegressor):
     _tags = dict(_SeqEstimator._tags)
 
     def _fit(self, X, y):
+        self._check_params()
         y = np.asarray(y, dtype=np.float64)  # finite: aeon's check_regression_y refuses NaN and inf
-        seed, train_idx, val_idx = self._split(y, stratify=False)
-        self.y_mean_ = float(y[train_idx].mean())  # from the training part, as the input scaling
-        std = float(y[train_idx].std())
+        self.y_mean_ = float(y.mean())
+        std = float(y.std())
         self.y_scale_ = std if std > 0 else 1.0
         z = ((y - self.y_mean_) / self.y_scale_).astype(np.float32)[:, None]
-        self._fit_network(X, z, 1, nn.MSELoss(), seed, train_idx, val_idx)
+        self._fit_networks(X, z, 1, nn.MSELoss(), stratify=False)
         return self
 
     def _predict(self, X) -> np.ndarray:
-        return self._outputs(X)[:, 0] * self.y_scale_ + self.y_mean_
+        return self._outputs(X)[:, :, 0].mean(0) * self.y_scale_ + self.y_mean_

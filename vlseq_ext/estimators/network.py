@@ -38,7 +38,8 @@ class SeqNet(nn.Module):
 
     def __init__(self, input_dim: int, output_dim: int, hidden_dim: int = 64, num_layers: int = 1,
                  rnn: str = "gru", bidirectional: bool = True, dropout: float = 0.0,
-                 pooling: str = "meanmax", length_feature: bool = False) -> None:
+                 pooling: str = "meanmax", length_feature: bool = False, conv_channels: int = 0,
+                 conv_kernel: int = 5, conv_stride: int = 1) -> None:
         super().__init__()
         if rnn not in RNNS:
             raise ValueError(f"rnn must be one of {RNNS}, got {rnn!r}")
@@ -48,14 +49,20 @@ class SeqNet(nn.Module):
             raise ValueError("input_dim, output_dim, hidden_dim and num_layers must be >= 1")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if conv_channels < 0 or conv_kernel < 1 or conv_kernel % 2 == 0 or conv_stride < 1:
+            raise ValueError("conv_channels must be >= 0, conv_kernel odd and conv_stride >= 1")
         cls = nn.LSTM if rnn == "lstm" else nn.GRU
         self.input_dim, self.output_dim = input_dim, output_dim
+        self.conv_stride = conv_stride
+        self.conv = nn.Conv1d(input_dim, conv_channels, conv_kernel, stride=conv_stride,
+                              padding=conv_kernel // 2) if conv_channels else None
+        rnn_in = conv_channels or input_dim
         self.rnn_type, self.pooling, self.dropout = rnn, pooling, float(dropout)
         self.directions = 2 if bidirectional else 1
         width = hidden_dim * self.directions
-        self.fwd = nn.ModuleList(cls(input_dim if i == 0 else width, hidden_dim, batch_first=True)
+        self.fwd = nn.ModuleList(cls(rnn_in if i == 0 else width, hidden_dim, batch_first=True)
                                  for i in range(num_layers))
-        self.bwd = nn.ModuleList(cls(input_dim if i == 0 else width, hidden_dim, batch_first=True)
+        self.bwd = nn.ModuleList(cls(rnn_in if i == 0 else width, hidden_dim, batch_first=True)
                                  for i in range(num_layers)) if bidirectional else None
         self.length_feature = bool(length_feature)
         # log-length standardised with the training set's statistics (set_length_stats)
@@ -82,6 +89,16 @@ class SeqNet(nn.Module):
         """Exact for every sample: a forward RNN's output at step t depends on steps <= t only, the
         reverse direction runs on each sample reversed within its own length (a gather), and the
         pooling reads valid steps only. No host sync, so the trainer can capture it in a graph."""
+        z = None
+        if self.length_feature:  # a series' length is information that padding or cropping would lose
+            stats = self.length_stats.to(x.dtype)
+            z = ((torch.log(lengths.to(x.dtype)) - stats[0]) / stats[1]).unsqueeze(-1)
+        if self.conv is not None:
+            # zero past each end, as a lone series' conv pads: then every output step within
+            # ceil(L / stride) equals the lone series' own
+            x = x * (torch.arange(x.shape[1], device=x.device).view(1, -1) < lengths.view(-1, 1)).unsqueeze(-1).to(x.dtype)
+            x = F.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+            lengths = (lengths + self.conv_stride - 1) // self.conv_stride
         steps = torch.arange(x.shape[1], device=x.device)
         valid = steps.view(1, -1) < lengths.view(-1, 1)  # (B, T)
         rev = None
@@ -96,10 +113,8 @@ class SeqNet(nn.Module):
             if self.dropout and layer < len(self.fwd) - 1:
                 h = F.dropout(h, self.dropout, self.training)
         feat = self._pool(h, lengths, valid)
-        if self.length_feature:  # a series' length is information that padding or cropping would lose
-            stats = self.length_stats.to(feat.dtype)
-            z = (torch.log(lengths.to(feat.dtype)) - stats[0]) / stats[1]
-            feat = torch.cat([feat, z.unsqueeze(-1)], dim=-1)
+        if z is not None:
+            feat = torch.cat([feat, z.to(feat.dtype)], dim=-1)
         return self.head(F.dropout(feat, self.dropout, self.training) if self.dropout else feat)
 
     def _pool(self, h: Tensor, lengths: Tensor, valid: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ from ..loop import Callback, TrainingLoop
 from ..samplers import LengthBucketSampler
 from ..trainer import ParallelTrainer
 
-__all__ = ["as_series", "Scaler", "SCALINGS", "LR_SCHEDULES", "validation_split", "trainer_options",
+__all__ = ["as_series", "Scaler", "SCALINGS", "LR_SCHEDULES", "validation_folds", "trainer_options",
            "train_network", "predict_outputs", "predict_device"]
 
 SCALINGS = ("standard", "series", None)
@@ -95,30 +95,31 @@ class Scaler:
         return list(series)
 
 
-def validation_split(y: np.ndarray, fraction: float, seed: int,
-                     stratify: bool) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """(train indices, validation indices or None). Stratified for classification: each class gives
-    round(fraction x its count) series, at least one, and keeps at least one for training; no split
-    when that leaves a class without training series or the set has fewer than 4 series."""
+def validation_folds(y: np.ndarray, fraction: float, seed: int, stratify: bool,
+                     count: int = 1) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
+    """(training indices, validation indices or None) for each of `count` networks. The series are
+    dealt into K = round(1 / fraction) folds (within each class for classification, so each class
+    gives about `fraction` of its series to every fold); network m validates on fold m mod K, so
+    K networks together train on every series. No validation when fraction is 0, when there are
+    fewer than 4 series, or when a class has a single series (it could not be both trained on and
+    validated)."""
     n = len(y)
-    if not fraction or n < 4:
-        return np.arange(n), None
+    every = np.arange(n)
+    if not fraction or n < 4 or (stratify and np.unique(y, return_counts=True)[1].min() < 2):
+        return [(every, None)] * count
+    k = max(2, int(round(1 / fraction)))
     rng = np.random.default_rng(seed)
-    if not stratify:
-        k = int(round(n * fraction))
-        if k < 1 or k >= n:
-            return np.arange(n), None
-        perm = rng.permutation(n)
-        return np.sort(perm[k:]), np.sort(perm[:k])
-    val = []
-    for c in np.unique(y):
-        idx = np.flatnonzero(y == c)
-        if len(idx) < 2:
-            return np.arange(n), None
-        k = min(max(1, int(round(len(idx) * fraction))), len(idx) - 1)
-        val.append(rng.permutation(idx)[:k])
-    val_idx = np.sort(np.concatenate(val))
-    return np.setdiff1d(np.arange(n), val_idx), val_idx
+    fold = np.empty(n, np.int64)
+    groups = [np.flatnonzero(y == c) for c in np.unique(y)] if stratify else [every]
+    start = 0
+    for idx in groups:  # dealt round robin, each class starting where the last one stopped
+        fold[rng.permutation(idx)] = (start + np.arange(len(idx))) % k
+        start = (start + len(idx)) % k
+    out = []
+    for m in range(count):
+        val = np.flatnonzero(fold == m % k)
+        out.append((np.setdiff1d(every, val), val) if 0 < len(val) < n else (every, None))
+    return out
 
 
 def trainer_options(trainer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -139,6 +140,24 @@ def trainer_options(trainer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError(f"trainer_kwargs: unknown ParallelTrainer argument(s) {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(known - set(_OWN_TRAINER_ARGS)))})")
     return dict(trainer_kwargs)
+
+
+def augmented(x: Tensor, strength: float, rng: np.random.Generator) -> Tensor:
+    """A randomly distorted copy of one (L, C) series, for training on few series: stretched in time
+    by exp(N(0, s)) (linear interpolation, so its length changes with it), each channel scaled by
+    1 + N(0, s), and N(0, s / 2) noise added per value (the inputs are standardised, so s is in units
+    of a channel's spread)."""
+    a = x.numpy()
+    length = len(a)
+    new = max(1, int(round(length * math.exp(rng.normal(0.0, strength)))))
+    if new != length:
+        pos = np.linspace(0.0, length - 1, new)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, length - 1)
+        w = (pos - lo)[:, None]
+        a = a[lo] * (1 - w) + a[hi] * w
+    a = a * (1.0 + rng.normal(0.0, strength, (1, a.shape[1]))) + rng.normal(0.0, strength / 2, a.shape)
+    return torch.from_numpy(a.astype(np.float32))
 
 
 class _EpochEnd(Callback):
@@ -191,10 +210,11 @@ def train_network(model: nn.Module, xs: List[Tensor], ys: List[Tensor],
                   samples_per_device: Optional[int], batch_size: int, n_epochs: int, lr: float, weight_decay: float,
                   lr_schedule: Optional[str], patience: Optional[int], clip_grad_norm: Optional[float],
                   bucket_batches: int, seed: int, verbose: bool, trainer_kwargs: Optional[Dict[str, Any]],
-                  desc: str = "fit") -> Dict[str, Any]:
+                  augment: float = 0.0, desc: str = "fit") -> Dict[str, Any]:
     """Trains `model` in place on (xs, ys) with ParallelTrainer and AdamW, steps of samples_per_device
     x devices series (batch_size split over the devices when samples_per_device is None) drawn by
-    LengthBucketSampler (each batch sorted by length within groups of `bucket_batches` batches).
+    LengthBucketSampler (each batch sorted by length within groups of `bucket_batches` batches),
+    each series distorted afresh at every draw when `augment` > 0 (see `augmented`).
     With `val`, the validation loss drives the schedule and early stopping (`patience` epochs
     without improvement), and the weights of the best epoch are restored at the end. Leaves the
     model on the CPU in eval mode. Returns {history, best_epoch, n_epochs, stop_reason, devices,
@@ -223,7 +243,9 @@ def train_network(model: nn.Module, xs: List[Tensor], ys: List[Tensor],
     try:
         sampler = LengthBucketSampler([len(x) for x in xs], trainer.samples_per_step, shuffle=True, seed=seed,
                                       bucket_batches=bucket_batches)
-        loop = TrainingLoop(trainer, sampler, lambda i: (xs[i], ys[i]), epochs=n_epochs, callbacks=[end])
+        rng = np.random.default_rng([seed, 7])
+        get_item = (lambda i: (augmented(xs[i], augment, rng), ys[i])) if augment else (lambda i: (xs[i], ys[i]))
+        loop = TrainingLoop(trainer, sampler, get_item, epochs=n_epochs, callbacks=[end])
         stop_reason = loop.run()
     finally:
         bar.close()
