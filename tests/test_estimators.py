@@ -4,6 +4,7 @@ clone / cross_val_score / GridSearchCV on ragged lists, the training options, an
 bad input. aeon's and scikit-learn's own estimator checks are in test_estimators_checks.py."""
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import subprocess
@@ -24,7 +25,9 @@ import vlseq_ext.estimators.training as training  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = dict(hidden_size=8, n_epochs=40, batch_size=8, patience=10, devices="cpu")
+# one small network, no augmentation, a 20% validation split: what most tests look at
+SMALL = dict(hidden_size=8, n_epochs=40, batch_size=8, patience=10, devices="cpu", n_networks=1, augment=0.0,
+             validation_fraction=0.2)
 SLOPES = {"down": -2.0, "flat": 0.0, "up": 2.0}
 
 
@@ -150,6 +153,29 @@ def test_clone_and_set_params_then_fit(data, fitted):
     assert twin.models_[0].fwd[0].hidden_size == 3 and twin.models_[0].bwd is None
     assert isinstance(twin.models_[0].fwd[0], torch.nn.LSTM)
     assert fitted.models_[0].fwd[0].hidden_size == 8  # the original is untouched
+
+
+def test_networks_validate_on_disjoint_folds_and_their_probabilities_are_averaged(data):
+    (X, y), (Xt, _) = data
+    clf = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=3, n_networks=3, validation_fraction=0.34)).fit(X, y)
+    assert len(clf.models_) == len(clf.histories_) == len(clf.best_epochs_) == 3
+    held_out = [np.setdiff1d(np.arange(60), tr) for tr in clf.train_indices_]
+    assert sorted(np.concatenate(held_out).tolist()) == list(range(60))  # every series validated once
+    one = copy.copy(clf)
+    each = []
+    for m in clf.models_:
+        one.models_ = [m]
+        each.append(one.predict_proba(Xt))
+    np.testing.assert_allclose(clf.predict_proba(Xt), np.mean(each, axis=0), rtol=1e-12)
+    assert not np.allclose(each[0], each[1])  # other folds and seeds: other networks
+
+
+def test_augmentation_changes_training_and_repeats(data):
+    (X, y), (Xt, _) = data
+    plain = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=3)).fit(X, y).predict_proba(Xt)
+    a = SeqClassifier(random_state=0, augment=0.2, **dict(SMALL, n_epochs=3)).fit(X, y).predict_proba(Xt)
+    b = SeqClassifier(random_state=0, augment=0.2, **dict(SMALL, n_epochs=3)).fit(X, y).predict_proba(Xt)
+    assert np.array_equal(a, b) and not np.allclose(a, plain)
 
 
 def test_devices_and_trainer_options_reach_the_trainer(data, monkeypatch):
@@ -281,6 +307,10 @@ BAD_PARAMS = [
     (dict(trainer_kwargs={"lr": 1.0}), r"trainer_kwargs: unknown ParallelTrainer argument\(s\) lr"),
     (dict(devices="cuda:99"), r"devices 'cuda:99'"),
     (dict(trainer_kwargs={"amp": "fp8"}), "amp must be None or 'bf16'"),
+    (dict(conv_kernel=4), "conv_kernel must be odd, got 4"),
+    (dict(conv_channels=-1), r"conv_channels must be an int >= 0 \(0: no convolution\), got -1"),
+    (dict(n_networks=0), "n_networks must be an int >= 1, got 0"),
+    (dict(augment=1.5), r"augment must be a number in \[0, 1\), got 1.5"),
 ]
 
 

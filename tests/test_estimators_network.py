@@ -15,7 +15,7 @@ from torch import nn
 
 from vlseq_ext import ParallelTrainer
 from vlseq_ext.estimators.network import SeqNet
-from vlseq_ext.estimators.training import Scaler, as_series, trainer_options, validation_folds
+from vlseq_ext.estimators.training import Scaler, as_series, augmented, trainer_options, validation_folds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,6 +148,20 @@ def test_validation_folds_are_stratified_and_cover_every_series():
     assert validation_folds(np.arange(3.0), 0.5, 0, False)[0][1] is None  # too few series
     assert [len(va) for _, va in validation_folds(np.zeros(10), 0.3, 0, False, 3)] == [4, 3, 3]
     assert all(va is None and len(tr) == 50 for tr, va in validation_folds(y, 0.0, 0, True, 2))
+
+
+def test_augmented_series_stretch_scale_and_repeat(rand):
+    x = rand.randn(40, 3)
+    assert torch.equal(augmented(x, 0.0, np.random.default_rng(0)), x)
+    draws = [augmented(x, 0.2, np.random.default_rng(s)) for s in range(20)]
+    assert all(d.shape[1] == 3 and d.dtype == torch.float32 for d in draws)
+    lengths = {len(d) for d in draws}
+    assert len(lengths) > 3 and min(lengths) >= 20 and max(lengths) <= 80  # exp(N(0, 0.2)) stretches
+    assert torch.equal(augmented(x, 0.2, np.random.default_rng(3)), draws[3])
+    for d in draws:  # x stretched to the draw's length, then scaled and noisy: near it, not equal to it
+        pos = np.linspace(0, 39, len(d))
+        stretched = np.stack([np.interp(pos, np.arange(40), x[:, c].numpy()) for c in range(3)], axis=1)
+        assert 0.05 < float(np.std(d.numpy() - stretched)) < 1.0
 
 
 def test_trainer_kwargs_are_checked_by_name():

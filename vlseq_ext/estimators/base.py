@@ -29,6 +29,12 @@ from .training import (LR_SCHEDULES, SCALINGS, Scaler, as_series, predict_device
 
 __all__ = ["SeqClassifier", "SeqRegressor"]
 
+# conv_channels / conv_stride "auto": chosen by cross-validation on the training splits only
+# (docs/design.md, "Estimators"): the convolution helped the long univariate series and hurt the
+# short multichannel ones
+AUTO_CONV_LENGTH = 64
+AUTO_CONV_CHANNELS = 32
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
@@ -131,9 +137,10 @@ class _SeqEstimator:
 
     def __init__(self, rnn: str = "gru", hidden_size: int = 64, num_layers: int = 1, bidirectional: bool = True,
                  dropout: float = 0.1, pooling: str = "meanmax", length_feature: bool = True,
-                 conv_channels: int = 0, conv_kernel: int = 5, conv_stride: int = 1, n_networks: int = 1, augment: float = 0.0, n_epochs: int = 200, batch_size: int = 16,
-                 lr: float = 3e-3, weight_decay: float = 1e-2, lr_schedule: Optional[str] = "plateau",
-                 validation_fraction: float = 0.2, patience: Optional[int] = 30, scaling: Optional[str] = "standard",
+                 conv_channels: Any = "auto", conv_kernel: int = 5, conv_stride: Any = "auto", n_networks: int = 5,
+                 n_epochs: int = 200, batch_size: int = 16, lr: float = 3e-3, weight_decay: float = 1e-2,
+                 lr_schedule: Optional[str] = "plateau", validation_fraction: float = 0.1,
+                 patience: Optional[int] = 30, augment: float = 0.1, scaling: Optional[str] = "standard",
                  clip_grad_norm: Optional[float] = 1.0, bucket_batches: int = 4, devices: Any = "all",
                  samples_per_device: Optional[int] = None, trainer_kwargs: Optional[Dict[str, Any]] = None,
                  random_state: Any = None, verbose: bool = False) -> None:
@@ -160,7 +167,7 @@ class _SeqEstimator:
             if getattr(self, name) not in allowed:
                 raise bad(name, "one of " + ", ".join(map(repr, allowed)))
         for name in ("hidden_size", "num_layers", "n_networks", "n_epochs", "batch_size", "bucket_batches",
-                     "conv_kernel", "conv_stride"):
+                     "conv_kernel"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "an int >= 1")
         for name in ("samples_per_device", "patience"):
@@ -173,8 +180,10 @@ class _SeqEstimator:
                 raise bad(name, "a positive number" + (" or None" if name == "clip_grad_norm" else ""))
         if self.conv_kernel % 2 == 0:
             raise bad("conv_kernel", "odd")
-        if not _is_int(self.conv_channels) or self.conv_channels < 0:
-            raise bad("conv_channels", "an int >= 0 (0: no convolution)")
+        if self.conv_channels != "auto" and (not _is_int(self.conv_channels) or self.conv_channels < 0):
+            raise bad("conv_channels", "'auto' or an int >= 0 (0: no convolution)")
+        if self.conv_stride != "auto" and (not _is_int(self.conv_stride) or self.conv_stride < 1):
+            raise bad("conv_stride", "'auto' or an int >= 1")
         if not (_is_real(self.weight_decay) and self.weight_decay >= 0):
             raise bad("weight_decay", "a number >= 0")
         for name in ("dropout", "validation_fraction", "augment"):
@@ -205,6 +214,7 @@ class _SeqEstimator:
         validation folds and trained on the rest."""
         series = as_series(X)
         self.n_channels_ = series[0].shape[1]
+        self.conv_channels_, self.conv_stride_ = self._conv_settings(float(np.median([len(s) for s in series])))
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         splits = validation_folds(targets if stratify else np.zeros(len(series)), self.validation_fraction, seed,
                                   stratify, self.n_networks)
@@ -218,7 +228,7 @@ class _SeqEstimator:
                 torch.manual_seed(seed + m)
                 model = SeqNet(self.n_channels_, output_dim, self.hidden_size, self.num_layers, self.rnn,
                                bool(self.bidirectional), float(self.dropout), self.pooling, bool(self.length_feature),
-                               self.conv_channels, self.conv_kernel, self.conv_stride)
+                               self.conv_channels_, self.conv_kernel, self.conv_stride_)
                 model.set_length_stats([len(s) for s in series])
                 val = None if val_idx is None else ([xs[i] for i in val_idx], [ys[i] for i in val_idx])
                 desc = type(self).__name__ + (f" {m + 1}/{len(splits)}" if len(splits) > 1 else "")
@@ -235,6 +245,16 @@ class _SeqEstimator:
                 self.stop_reasons_.append(info["stop_reason"])
                 self.train_indices_.append(train_idx)
 
+    def _conv_settings(self, median_length: float) -> Tuple[int, int]:
+        """conv_channels and conv_stride, "auto" resolved from the training series: a convolution (32
+        channels) only for series longer than AUTO_CONV_LENGTH steps (the median), with a stride that
+        leaves the recurrence about that many steps; short series go to the RNN as they are."""
+        long = median_length > AUTO_CONV_LENGTH
+        channels = (AUTO_CONV_CHANNELS if long else 0) if self.conv_channels == "auto" else int(self.conv_channels)
+        if self.conv_stride != "auto":
+            return channels, int(self.conv_stride)
+        return channels, max(1, int(round(median_length / AUTO_CONV_LENGTH))) if channels else 1
+
     def _outputs(self, X: List[np.ndarray]) -> np.ndarray:
         """Each network's outputs for X: (networks, series, outputs)."""
         series = self.scaler_.transform(as_series(X, self.n_channels_))
@@ -244,7 +264,7 @@ class _SeqEstimator:
     @classmethod
     def _get_test_params(cls, parameter_set: str = "default"):
         # small and on the CPU, so aeon's checks run in seconds anywhere
-        return {"hidden_size": 4, "n_epochs": 3, "batch_size": 4, "patience": 2, "devices": "cpu"}
+        return {"hidden_size": 4, "n_epochs": 3, "batch_size": 4, "patience": 2, "n_networks": 2, "devices": "cpu"}
 
 
 class SeqClassifier(_SeqEstimator, BaseClassifier):
