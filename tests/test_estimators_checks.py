@@ -58,7 +58,7 @@ def test_aeon_estimator_checks(check):
 
 
 def _sklearn_checks():
-    params = dict(SeqClassifier._get_test_params(), random_state=0)
+    params = dict(SeqClassifier._get_test_params(), n_networks=1, random_state=0)  # aeon's checks cover 2
     for est, skips in ((SeqClassifier(**params), NOT_APPLICABLE),
                        (SeqRegressor(**params), {**NOT_APPLICABLE, **REGRESSOR_NOT_APPLICABLE})):
         for e, check in estimator_checks_generator(est, expected_failed_checks=skips, mark="skip"):

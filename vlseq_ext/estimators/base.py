@@ -95,7 +95,7 @@ def _check_finite(X: Any) -> None:
 class _SeqEstimator:
     """The parameters, checks, fit and prediction that SeqClassifier and SeqRegressor share.
 
-    Parameters
+    Parameters (the defaults were chosen by cross-validation on training splits only: docs/design.md)
     ----------
     rnn : "gru" or "lstm"
     hidden_size : int, units per direction of each recurrent layer
@@ -103,18 +103,27 @@ class _SeqEstimator:
     bidirectional : bool
     dropout : float in [0, 1), between layers and before the head
     pooling : "meanmax", "mean", "max" or "last", over each series' own steps
-    length_feature : bool, the series' log length (standardised on the training part) joins the
-        pooled features: length is information that padding or cropping would lose
-    n_epochs : int, the most epochs (early stopping usually ends sooner)
+    length_feature : bool, the series' log length (standardised) joins the pooled features: length
+        is information that padding or cropping would lose
+    conv_channels : "auto" or int, a convolution in front of the RNN (0: none; "auto": 32 channels
+        when the median training length exceeds 64 steps, else none)
+    conv_kernel : odd int
+    conv_stride : "auto" or int, the convolution's stride ("auto": about median length / 64)
+    n_networks : int, networks in the ensemble; network m validates on fold m of the validation folds
+        and predict_proba averages them
+    n_epochs : int, the most epochs per network (early stopping usually ends sooner)
     batch_size : int, series per optimizer step, split over the devices (when samples_per_device is None)
     lr : float, AdamW's learning rate
     weight_decay : float, AdamW's decoupled weight decay
-    lr_schedule : "plateau" (halve after patience // 3 epochs without improvement), "cosine" or None
-    validation_fraction : float in [0, 1), the part of the training data held out for early stopping
-        (stratified for classification); 0 trains on all of it for n_epochs
-    patience : int or None, epochs without a better validation loss before stopping; the weights of
-        the best epoch are restored either way
-    scaling : "standard" (per channel, fitted on the training part), "series" (each series on its
+    lr_schedule : "plateau" (halved after patience // 3 epochs without improvement), "cosine" or None
+    validation_fraction : float in [0, 1), the size of a validation fold: the series are dealt into
+        round(1 / validation_fraction) folds (stratified for classification); 0: no validation, every
+        network trains on all series for n_epochs
+    patience : int or None, epochs without a better validation loss before a network stops; its
+        best epoch's weights are restored either way
+    augment : float in [0, 1), strength of the random stretch, scale and jitter of each training
+        series each time it is drawn (0: none)
+    scaling : "standard" (per channel, fitted on the training series), "series" (each series on its
         own) or None
     clip_grad_norm : float or None
     bucket_batches : int, batches drawn from one length-sorted group: 1 gives random batches, larger
@@ -125,7 +134,15 @@ class _SeqEstimator:
     trainer_kwargs : dict or None, further ParallelTrainer arguments (amp, cuda_graphs, pack, lanes,
         accumulation_steps, nonfinite, graph_cache_size, ...)
     random_state : int, RandomState or None
-    verbose : bool, a tqdm bar per epoch and a summary line
+    verbose : bool, a tqdm bar per network and a summary line
+
+    Attributes
+    ----------
+    models_ : the networks (SeqNet, on the CPU, eval mode)
+    histories_ : per network, one dict per epoch (loss, val_loss, lr)
+    best_epochs_, stop_reasons_ : per network, the index of the epoch kept and why training stopped
+    train_indices_ : per network, the series it trained on (the rest of them validated it)
+    scaler_, n_channels_, conv_channels_, conv_stride_ : the input scaling and what "auto" chose
     """
 
     _tags = {
@@ -268,13 +285,10 @@ class _SeqEstimator:
 
 
 class SeqClassifier(_SeqEstimator, BaseClassifier):
-    __doc__ = ("Time series classifier for series of unequal length and any number of channels: a recurrent "
-               "network (vlseq_ext.estimators.SeqNet) trained with ParallelTrainer on every visible GPU, or the "
-               "CPU, with a stratified validation split, early stopping, a learning-rate schedule and input "
-               "scaling fitted on the training data.\n" + _SeqEstimator.__doc__.split("\n", 2)[2] +
-               "\n    Attributes: classes_, n_classes_, model_ (SeqNet on the CPU), scaler_, history_ (one dict per "
-               "epoch: loss, val_loss, lr), best_epoch_ (its index), n_epochs_, stop_reason_, train_index_ (the series trained on; "
-               "the rest validated), validation_size_, train_seconds_.\n")
+    __doc__ = ("Time series classifier for series of unequal length and any number of channels: an ensemble of "
+               "recurrent networks (SeqNet) trained with ParallelTrainer on every visible GPU, or the CPU, each "
+               "stopped early on its own stratified validation fold; labels of any type (classes_).\n"
+               + _SeqEstimator.__doc__.split("\n", 2)[2])
 
     _tags = dict(_SeqEstimator._tags)
 
@@ -308,13 +322,10 @@ class SeqClassifier(_SeqEstimator, BaseClassifier):
 
 
 class SeqRegressor(_SeqEstimator, BaseRegressor):
-    __doc__ = ("Time series regressor for series of unequal length and any number of channels: a recurrent "
-               "network (vlseq_ext.estimators.SeqNet) trained with ParallelTrainer on every visible GPU, or the "
-               "CPU, on standardised targets (mean and scale of the training part), with a validation split, early "
-               "stopping, a learning-rate schedule and input scaling fitted on the training data.\n"
-               + _SeqEstimator.__doc__.split("\n", 2)[2] +
-               "\n    Attributes: model_, scaler_, y_mean_, y_scale_, history_, best_epoch_, n_epochs_, stop_reason_, "
-               "train_index_, validation_size_, train_seconds_.\n")
+    __doc__ = ("Time series regressor for series of unequal length and any number of channels: an ensemble of "
+               "recurrent networks (SeqNet) trained with ParallelTrainer on every visible GPU, or the CPU, on "
+               "targets standardised with their mean and spread (y_mean_, y_scale_), each stopped early on its own "
+               "validation fold; predict averages them.\n" + _SeqEstimator.__doc__.split("\n", 2)[2])
 
     _tags = dict(_SeqEstimator._tags)
 
