@@ -7,6 +7,7 @@
 #   bash benchmarks/run_on_gpu.sh sweep    # vlseq-bench --suite sweep (W3; about 6 minutes on 2 GPUs)
 #   bash benchmarks/run_on_gpu.sh dist     # 2 processes x 1 GPU (NCCL) vs 1 process x 2 GPUs
 #   bash benchmarks/run_on_gpu.sh rnn      # the recurrent kernels' GPU tests, then vlseq-bench --suite rnn
+#   bash benchmarks/run_on_gpu.sh tsc      # estimator tests + vlseq-bench --suite tsc (aeon from .whl/ if missing)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -65,5 +66,19 @@ fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
   tail -30 "$OUT/dist.log"
+fi
+if runs tsc; then
+  # aeon is optional: without it, the wheels carried in .whl/ (README, "Estimators") go to /tmp/site
+  if ! $PY -c "import aeon" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/aeon-install.log" 2>&1 \
+      || { tail -20 "$OUT/aeon-install.log"; rc=1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  $PY -c "import aeon; print('aeon', aeon.__version__)" > "$OUT/tsc-tests.log" 2>&1 || rc=1
+  $PY -m pytest -q -p no:cacheprovider -rs tests/test_estimators_network.py tests/test_estimators.py \
+    tests/test_estimators_checks.py >> "$OUT/tsc-tests.log" 2>&1 || rc=1
+  tail -15 "$OUT/tsc-tests.log"
+  $PY -m vlseq_ext.bench --suite tsc --out "$OUT/tsc" > "$OUT/tsc.log" 2>&1 || rc=1
+  tail -30 "$OUT/tsc.log"
 fi
 exit $rc

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import env
 from ..devices import parse_devices
-from . import diag, flatten, merge, rnn, sweep, sweep_report, train
+from . import diag, flatten, merge, rnn, sweep, sweep_report, train, tsc
 from .processes import run_ddp
 from .report import collect_meta, write_outputs
 from .results import Results, Skip, Task
@@ -27,7 +27,10 @@ from .timing import Budget
 TASK_STALL_S = 180  # print every thread's stack when one task runs longer than this
 
 
-SUITES = ("merge", "flatten", "diag", "train", "sweep", "rnn")
+SUITES = ("merge", "flatten", "diag", "train", "sweep", "rnn", "tsc")
+# "all": the performance suites. tsc (accuracy against aeon's classifiers; needs aeon, and minutes of
+# fits) runs only when named, so "all" keeps its duration.
+ALL = ("merge", "flatten", "diag", "train", "sweep", "rnn")
 
 
 def suite_list(spec: str) -> str:
@@ -39,7 +42,7 @@ def suite_list(spec: str) -> str:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown suite(s) {', '.join(bad)} (choose from {', '.join(SUITES)}, all)")
     if "all" in parts:
-        return "all"
+        return ",".join(["all"] + [s for s in SUITES if s in parts and s not in ALL])
     return ",".join(s for s in SUITES if s in parts)  # in run order, once each
 
 
@@ -121,8 +124,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "time, algorithm crossover, optimizer-step options, trainer phases); train: samples/s of "
                          "the seed and a large model (W1, W2); sweep: samples/s over model sizes, samples per GPU "
                          "and model forms against DDP and the best one-GPU loop (W3); rnn: the persistent "
-                         "LSTM/GRU kernels against cuDNN, forward and forward + backward; all (the default): every "
-                         "suite")
+                         "LSTM/GRU kernels against cuDNN, forward and forward + backward; tsc: test accuracy and "
+                         "fit time of the aeon estimator SeqClassifier against aeon's 1-NN DTW and RDST on its "
+                         "bundled unequal-length sets (needs aeon; only when named); all (the default): every suite "
+                         "but tsc")
     ap.add_argument("--devices", default=None,
                     help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
                          'GPUs), "cpu:2" (2 CPU devices); default: all GPUs, else cpu:2')
@@ -163,9 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         say("No GPU in use: running the CPU versions (merges over CPU 'devices', the reference all-reduce, "
             "ParallelTrainer on CPU devices, gloo DDP); GPU-only methods are skipped and listed at the end.")
 
-    selected = SUITES if args.suite == "all" else args.suite.split(",")
+    selected = [s for s in SUITES if s in args.suite.split(",") or (s in ALL and args.suite.startswith("all"))]
     tasks, ddp_jobs = [], []
-    mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep, "rnn": rnn}
+    mods = {"merge": merge, "flatten": flatten, "diag": diag, "train": train, "sweep": sweep, "rnn": rnn, "tsc": tsc}
     for suite in SUITES:
         if suite in selected:
             t, j = mods[suite].tasks(devices, budget, res)
@@ -206,6 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     flatten.add_fractions(res)
     sweep_report.finalize(res)
     rnn.finalize(res)
+    tsc.finalize(res)
     timings["total"] = time.perf_counter() - t_start
     md = write_outputs(res, args.out, log=say)
     print(md)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import env
-from . import diag, rnn, sweep_report
+from . import diag, rnn, sweep_report, tsc
 from .results import SCHEMA_VERSION, SIZES, Results, fmt, lookup
 from .targets import evaluate_targets
 
@@ -85,7 +85,7 @@ def markdown(res: Results, plots: Sequence[str] = ()) -> str:
                 [[tid, t["workload"], t["target"], f"**{t['status']}**", t.get("detail", "")]
                  for tid, t in d["targets"].items()])
     L += _merge_md(d["merge"]) + _flatten_md(d["flatten"]) + diag.markdown_lines(d) + _train_md(d["train"]) + \
-        sweep_report.markdown_lines(d) + rnn.markdown_lines(d)
+        sweep_report.markdown_lines(d) + rnn.markdown_lines(d) + tsc.markdown_lines(d)
     if d["skipped"]:
         by_reason: Dict[str, List[str]] = {}
         for k, why in d["skipped"].items():
