@@ -353,7 +353,7 @@ struct Block {
 // `rows` x `cols`, into w as w[r * ld + k] or, transposed, w[k * ld + r]. k runs fastest so that the
 // reads of W_hh rows coalesce.
 template <bool kTransposed, typename WT>
-__device__ void load_weights(WT* w, int ld, int rows, int cols, const float* w_hh, int G, const Geometry& g,
+__device__ __forceinline__ void load_weights(WT* w, int ld, int rows, int cols, const float* w_hh, int G, const Geometry& g,
                              const Block& blk) {
   for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
     const int r = e / cols, k = e - r * cols;
@@ -371,7 +371,7 @@ __device__ __forceinline__ int64_t step_row(const Geometry& g, const Block& blk,
   return static_cast<int64_t>(blk.b0 + b) * g.T + (g.reverse ? len - 1 - s : s);
 }
 
-__device__ void load_lengths(int* lens, const int64_t* lengths, const Geometry& g, const Block& blk) {
+__device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, const Geometry& g, const Block& blk) {
   for (int b = threadIdx.x; b < g.bs; b += kThreads)
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
 }
