@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..devices import parse_devices
-from ..loop import Callback, TrainingLoop
-from ..samplers import LengthBucketSampler
-from ..trainer import ParallelTrainer
+# the package's public paths (README), which stay valid while modules move into sub-packages
+from vlseq_ext import ParallelTrainer
+from vlseq_ext.devices import parse_devices
+from vlseq_ext.loop import Callback, TrainingLoop
+from vlseq_ext.samplers import LengthBucketSampler
 
 __all__ = ["as_series", "Scaler", "SCALINGS", "LR_SCHEDULES", "validation_folds", "trainer_options",
            "train_network", "predict_outputs", "predict_device"]
