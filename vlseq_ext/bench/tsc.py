@@ -68,7 +68,8 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     asked = [m.strip() for m in os.environ.get("VLSEQ_TSC_METHODS", "").split(",") if m.strip()] or list(METHODS)
     unknown = [m for m in asked if m not in METHODS]
     if unknown:
-        res.error("tsc", f"VLSEQ_TSC_METHODS: unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
+        res.error("tsc", f"VLSEQ_TSC_METHODS: unknown method(s) {', '.join(unknown)} "
+                         f"(choose from {', '.join(METHODS)})")
         return [], []
     cuda = devices[0].type == "cuda"
     seeds = list(range(1 if budget.quick else SEEDS))
@@ -162,13 +163,15 @@ def finalize(res: Results) -> None:
             entry.update(status="not run", detail="SeqClassifier did not run (see errors/skipped)")
             continue
         ok_acc = acc[method] >= ACCURACY_TARGETS[name]
-        detail = f"{method}: median accuracy {acc[method]:.3f} ({'ok' if ok_acc else 'no'}: >= {ACCURACY_TARGETS[name]})"
+        detail = (f"{method}: median accuracy {acc[method]:.3f} "
+                  f"({'ok' if ok_acc else 'no'}: >= {ACCURACY_TARGETS[name]})")
         if method == "vlseq_gpu":
             slowest = max(r["fit_s"] for r in d["runs"][method])
             ok_fit = slowest < FIT_S_TARGET
             gpus = len(str(d["devices"][method]).split(","))
-            detail += f"; slowest fit {slowest:.1f} s ({'ok' if ok_fit else 'no'}: < {FIT_S_TARGET:.0f} s on one GPU" + \
-                (f"; measured on {gpus} GPUs)" if gpus > 1 else ")")
+            on = f"; measured on {gpus} GPUs" if gpus > 1 else ""
+            verdict = "ok" if ok_fit else "no"
+            detail += f"; slowest fit {slowest:.1f} s ({verdict}: < {FIT_S_TARGET:.0f} s on one GPU{on})"
             entry.update(status="met" if ok_acc and ok_fit else "missed", detail=detail)
         else:
             entry.update(status="not run", detail=detail + "; the fit-time target needs a GPU run")
