@@ -122,8 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "first device (F1); diag: the measurements behind the design choices (kernel vs host "
                          "time, algorithm crossover, optimizer-step options, trainer phases); train: samples/s of "
                          "the seed and a large model (W1, W2); sweep: samples/s over model sizes, samples per GPU "
-                         "and model forms against DDP and the best one-GPU loop (W3); tsc: test accuracy and fit time of "
-                         "the aeon estimator SeqClassifier against aeon's 1-NN DTW and RDST on its bundled "
+                         "and model forms against DDP and the best one-GPU loop (W3); tsc: test accuracy and fit "
+                         "time of the aeon estimator SeqClassifier against aeon's 1-NN DTW and RDST on its bundled "
                          "unequal-length sets (needs aeon; only when named); all (the default): every suite but tsc")
     ap.add_argument("--devices", default=None,
                     help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
