@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Build, then the GPU tests, the training demo and the benchmark on a CUDA machine, logs under $OUT
-# (default ./gpu-run). Each part fits in a 10-minute call on 2 x H200; `all` runs them in order.
+# (default ./gpu-run). Each part fits in a 10-minute call on 2 x H200 (tsc and tsc-cpu: estimated, not yet
+# run there); `all` runs them in order.
 #   bash benchmarks/run_on_gpu.sh tests    # the README's test command (whole suite, xdist when present)
 #   bash benchmarks/run_on_gpu.sh train    # default vlseq-train run + vlseq-predict on its checkpoint
 #   bash benchmarks/run_on_gpu.sh bench    # vlseq-bench --suite merge,flatten,diag,train (M1, M2, F1, W1, W2)
 #   bash benchmarks/run_on_gpu.sh sweep    # vlseq-bench --suite sweep (W3; about 6 minutes on 2 GPUs)
 #   bash benchmarks/run_on_gpu.sh dist     # 2 processes x 1 GPU (NCCL) vs 1 process x 2 GPUs
 #   bash benchmarks/run_on_gpu.sh rnn      # the recurrent kernels' GPU tests, then vlseq-bench --suite rnn
-#   bash benchmarks/run_on_gpu.sh tsc      # estimator tests + vlseq-bench --suite tsc (aeon from .whl/ if missing)
+#   bash benchmarks/run_on_gpu.sh tsc      # estimator tests + vlseq-bench --suite tsc on the GPU, with aeon's
+#                                          # 1-NN DTW and RDST (aeon from the wheels in .whl/ when missing)
+#   bash benchmarks/run_on_gpu.sh tsc-cpu  # the same suite's CPU runs of SeqClassifier (5 seeds x 2 sets)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -67,18 +70,24 @@ if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
   tail -30 "$OUT/dist.log"
 fi
-if runs tsc; then
+if runs tsc || runs tsc-cpu; then
   # aeon is optional: without it, the wheels carried in .whl/ (README, "Estimators") go to /tmp/site
   if ! $PY -c "import aeon" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/aeon-install.log" 2>&1 \
       || { tail -20 "$OUT/aeon-install.log"; rc=1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  $PY -c "import aeon; print('aeon', aeon.__version__)" > "$OUT/tsc-tests.log" 2>&1 || rc=1
+  $PY -c "import aeon; print('aeon', aeon.__version__)" || rc=1
+fi
+if runs tsc; then
   $PY -m pytest -q -p no:cacheprovider -rs tests/test_estimators_network.py tests/test_estimators.py \
-    tests/test_estimators_checks.py >> "$OUT/tsc-tests.log" 2>&1 || rc=1
+    tests/test_estimators_checks.py tests/test_estimators_bench.py > "$OUT/tsc-tests.log" 2>&1 || rc=1
   tail -15 "$OUT/tsc-tests.log"
-  $PY -m vlseq_ext.bench --suite tsc --out "$OUT/tsc" > "$OUT/tsc.log" 2>&1 || rc=1
+  VLSEQ_TSC_METHODS=vlseq_gpu,knn_dtw,rdst $PY -m vlseq_ext.bench --suite tsc --out "$OUT/tsc" > "$OUT/tsc.log" 2>&1 || rc=1
   tail -30 "$OUT/tsc.log"
+fi
+if runs tsc-cpu; then
+  VLSEQ_TSC_METHODS=vlseq_cpu $PY -m vlseq_ext.bench --suite tsc --devices cpu --out "$OUT/tsc-cpu" > "$OUT/tsc-cpu.log" 2>&1 || rc=1
+  tail -20 "$OUT/tsc-cpu.log"
 fi
 exit $rc

@@ -19,6 +19,7 @@ pytest.importorskip("aeon", reason="the estimators need aeon (pip install 'vlseq
 from sklearn.base import clone  # noqa: E402  (after the skip: sklearn comes with aeon)
 from sklearn.exceptions import NotFittedError  # noqa: E402
 from sklearn.model_selection import GridSearchCV, cross_val_score  # noqa: E402
+from sklearn.pipeline import make_pipeline  # noqa: E402
 
 from vlseq_ext.estimators import SeqClassifier, SeqRegressor  # noqa: E402
 import vlseq_ext.estimators.training as training  # noqa: E402
@@ -140,6 +141,8 @@ def test_sklearn_model_selection_on_ragged_lists(data):
     grid.fit(X, y)
     assert set(grid.best_params_) == {"pooling"} and len(grid.cv_results_["params"]) == 2
     assert grid.predict(X[:5]).shape == (5,)
+    pipe = make_pipeline(clone(est)).fit(X, y)  # ragged lists pass through a Pipeline untouched
+    assert pipe.predict(X[:4]).shape == (4,) and 0.0 <= pipe.score(X, y) <= 1.0
     assert grid.best_estimator_.models_[0].head.in_features == \
         6 * 2 * (2 if grid.best_params_["pooling"] == "meanmax" else 1) + 1
 
@@ -168,6 +171,18 @@ def test_networks_validate_on_disjoint_folds_and_their_probabilities_are_average
         each.append(one.predict_proba(Xt))
     np.testing.assert_allclose(clf.predict_proba(Xt), np.mean(each, axis=0), rtol=1e-12)
     assert not np.allclose(each[0], each[1])  # other folds and seeds: other networks
+
+
+def test_auto_convolution_only_for_long_series():
+    assert SeqClassifier()._conv_settings(15.0) == (0, 1)  # JapaneseVowels-like: the GRU sees every step
+    assert SeqClassifier()._conv_settings(140.0) == (32, 2)  # PickupGestureWiimoteZ-like: ~70 steps left
+    assert SeqClassifier()._conv_settings(1000.0) == (32, 16)
+    assert SeqClassifier(conv_channels=8)._conv_settings(15.0) == (8, 1)
+    assert SeqClassifier(conv_stride=3)._conv_settings(140.0) == (32, 3)
+    assert SeqClassifier(conv_channels=0)._conv_settings(1000.0) == (0, 1)
+    X, y = make_data(12, 4, channels=1, lo=100, hi=160)
+    clf = SeqClassifier(random_state=0, **dict(SMALL, n_epochs=1, hidden_size=4)).fit(X, y)
+    assert (clf.conv_channels_, clf.conv_stride_) == (32, 2) and clf.models_[0].conv.stride == (2,)
 
 
 def test_augmentation_changes_training_and_repeats(data):

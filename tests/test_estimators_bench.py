@@ -75,6 +75,20 @@ def test_tsc_suite_records_every_method_and_the_targets(monkeypatch):
     assert "| knn_dtw |" in md and "target T2 (PickupGestureWiimoteZ): **not run**" in md
 
 
+def test_tsc_methods_from_the_environment(monkeypatch):
+    pytest.importorskip("aeon", reason="the tsc suite needs aeon (pip install 'vlseq_ext[ts]')")
+    monkeypatch.setenv("VLSEQ_TSC_METHODS", "knn_dtw, rdst")
+    res = _results()
+    tasks, _ = tsc.tasks([torch.device("cpu")], Budget.make(True), res)
+    assert sorted(t.key for t in tasks) == sorted(f"tsc.{d}.{m}" for d in tsc.DATASETS for m in ("knn_dtw", "rdst"))
+    assert res.data["skipped"]["tsc.JapaneseVowels.vlseq_cpu"] == "not in VLSEQ_TSC_METHODS"
+    monkeypatch.setenv("VLSEQ_TSC_METHODS", "rdst,dtw")
+    res = _results()
+    assert tsc.tasks([torch.device("cpu")], Budget.make(True), res) == ([], [])
+    assert res.data["errors"]["tsc"] == ("VLSEQ_TSC_METHODS: unknown method(s) dtw (choose from vlseq_gpu, vlseq_cpu, "
+                                         "knn_dtw, rdst)")
+
+
 def test_tsc_targets_on_gpu_shaped_results():
     res = _results()
     for name, acc, fits in (("JapaneseVowels", [0.99, 0.985, 0.97], [12.0, 14.0, 11.0]),

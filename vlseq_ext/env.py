@@ -83,6 +83,11 @@ def disable_nvls() -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 
+def tsc_methods() -> list:
+    """VLSEQ_TSC_METHODS: the tsc bench suite's methods to run (comma-separated), empty for all."""
+    return [m.strip() for m in os.environ.get("VLSEQ_TSC_METHODS", "").split(",") if m.strip()]
+
+
 def bench_snapshot() -> Dict[str, Optional[str]]:
     """The variables a benchmark result depends on, as they are set (for its metadata)."""
     return {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES") if k in os.environ}

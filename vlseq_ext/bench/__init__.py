@@ -2,13 +2,15 @@
 against the seed loop, PyTorch's built-ins, NCCL and DDP, on whatever devices the machine has.
 
     vlseq-bench [--quick] [--suite all | SUITE[,SUITE...]] [--devices all | 2 | cuda:0,cuda:1 | cpu:2]
-                [--out DIR] [--repeats N]        SUITE: merge, flatten, diag, train, sweep
+                [--out DIR] [--repeats N]        SUITE: merge, flatten, diag, train, sweep, tsc
 
 Suites: merge (M1, M2), flatten (F1), diag (the measurements behind the design choices: kernel vs
 host time, all-reduce crossover, optimizer-step options, host costs, trainer phases, what limits
 the sweep's hardest points; modules vlseq_ext.bench.diag and .limits), train (W1, W2: the seed model and a large one), sweep (W3: model sizes x
 samples per device x model forms against DDP and the best one-GPU loop; module
-vlseq_ext.bench.sweep, whose docstring has the points, methods and timing). `--devices` takes the
+vlseq_ext.bench.sweep, whose docstring has the points, methods and timing), tsc (T1, T2: accuracy
+and fit time of the aeon estimator SeqClassifier against aeon's 1-NN DTW and RDST; needs aeon; not
+part of "all"; module vlseq_ext.bench.tsc, whose docstring has its methods and JSON). `--devices` takes the
 specs of vlseq_ext.devices.parse_devices; without it, every GPU, or two CPU "devices" on a machine
 without GPUs.
 
@@ -91,7 +93,9 @@ its value is a plain number (the median); the sibling `<name>_spread.<method>` h
               W3: {workload, target, status: "met"|"missed"|"incomplete"|"not run", ratio (the lowest vs_best),
                    detail, points: {met, missed, incomplete}}}
     skipped: {key: reason}    errors: {key: "Type: message (file:line)"}
-    timings_s: {merge, flatten, diag, train, sweep, ddp, total} (the suites run)    task_s: {task key: seconds}
+    tsc:  (only in runs of --suite tsc; layout in vlseq_ext.bench.tsc) {<data set>: {accuracy.<method>, fit_s.<method>,
+           predict_s.<method> (+ _spread), runs.<method>, devices, notes, n_train, ...}, targets: {T1, T2}}
+    timings_s: {merge, flatten, diag, train, sweep, tsc, ddp, total} (the suites run)    task_s: {task key: seconds}
 
 Methods. merge: seed_style (per-parameter stack-sum on device 0, copied back), reduce_add_coalesced
 (torch.cuda.comm, then copied back), cat_nccl (cat + torch.cuda.nccl.all_reduce + copy back; on flat

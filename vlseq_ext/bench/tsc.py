@@ -9,6 +9,8 @@ Methods:
   - knn_dtw: aeon KNeighborsTimeSeriesClassifier(n_neighbors=1, distance="dtw") (fit stores the data;
     the work is in predict);
   - rdst: aeon RDSTClassifier(random_state=0), one run.
+VLSEQ_TSC_METHODS (comma-separated) runs a subset, e.g. to split a GPU host's run into two calls of
+under 10 minutes: the GPU and the baselines, then vlseq_cpu (docs/environment.md).
 Every fit and predict is timed by the wall clock. Before each method's timed runs, an untimed fit
 and predict on two series per class warms it up (numba's compilation of aeon's distances and
 shapelets; for SeqClassifier, 1 epoch: the CUDA context, cuDNN, the process's first graph
@@ -33,10 +35,12 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
+from .. import env
 from .results import Results, Skip, Task, fmt
 from .timing import Budget
 
 DATASETS = ("JapaneseVowels", "PickupGestureWiimoteZ")
+METHODS = ("vlseq_gpu", "vlseq_cpu", "knn_dtw", "rdst")
 ACCURACY_TARGETS = {"JapaneseVowels": 0.98, "PickupGestureWiimoteZ": 0.80}
 TARGET_IDS = {"JapaneseVowels": "T1", "PickupGestureWiimoteZ": "T2"}  # docs/design.md, "Targets"
 FIT_S_TARGET = 30.0
@@ -61,13 +65,22 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     if not _have_aeon():
         res.skip("tsc", "aeon is not installed (pip install 'vlseq_ext[ts]'): the data sets and baselines come with it")
         return [], []
+    asked = env.tsc_methods() or list(METHODS)
+    unknown = [m for m in asked if m not in METHODS]
+    if unknown:
+        res.error("tsc", f"VLSEQ_TSC_METHODS: unknown method(s) {', '.join(unknown)} "
+                         f"(choose from {', '.join(METHODS)})")
+        return [], []
     cuda = devices[0].type == "cuda"
     seeds = list(range(1 if budget.quick else SEEDS))
     gpu_spec = ",".join(str(d) for d in devices)
     out: List[Task] = []
     for name in DATASETS:
-        for method in ("vlseq_gpu", "vlseq_cpu", "knn_dtw", "rdst"):
+        for method in METHODS:
             key = f"tsc.{name}.{method}"
+            if method not in asked:
+                res.skip(key, "not in VLSEQ_TSC_METHODS")
+                continue
             if method == "vlseq_gpu" and not cuda:
                 res.skip(key, "no GPU in this run")
                 continue
@@ -150,13 +163,15 @@ def finalize(res: Results) -> None:
             entry.update(status="not run", detail="SeqClassifier did not run (see errors/skipped)")
             continue
         ok_acc = acc[method] >= ACCURACY_TARGETS[name]
-        detail = f"{method}: median accuracy {acc[method]:.3f} ({'ok' if ok_acc else 'no'}: >= {ACCURACY_TARGETS[name]})"
+        detail = (f"{method}: median accuracy {acc[method]:.3f} "
+                  f"({'ok' if ok_acc else 'no'}: >= {ACCURACY_TARGETS[name]})")
         if method == "vlseq_gpu":
             slowest = max(r["fit_s"] for r in d["runs"][method])
             ok_fit = slowest < FIT_S_TARGET
             gpus = len(str(d["devices"][method]).split(","))
-            detail += f"; slowest fit {slowest:.1f} s ({'ok' if ok_fit else 'no'}: < {FIT_S_TARGET:.0f} s on one GPU" + \
-                (f"; measured on {gpus} GPUs)" if gpus > 1 else ")")
+            on = f"; measured on {gpus} GPUs" if gpus > 1 else ""
+            verdict = "ok" if ok_fit else "no"
+            detail += f"; slowest fit {slowest:.1f} s ({verdict}: < {FIT_S_TARGET:.0f} s on one GPU{on})"
             entry.update(status="met" if ok_acc and ok_fit else "missed", detail=detail)
         else:
             entry.update(status="not run", detail=detail + "; the fit-time target needs a GPU run")

@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - exercised in a subprocess without aeon
     raise ImportError("vlseq_ext.estimators needs aeon: pip install 'vlseq_ext[ts]' (or pip install aeon)") from None
 from sklearn.utils import check_random_state
 
-from ..devices import parse_devices
+from vlseq_ext.devices import parse_devices
+
 from .network import POOLINGS, RNNS, SeqNet
 from .training import (LR_SCHEDULES, SCALINGS, Scaler, as_series, predict_device, predict_outputs, trainer_options,
                        train_network, validation_folds)

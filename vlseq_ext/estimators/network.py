@@ -96,7 +96,8 @@ class SeqNet(nn.Module):
         if self.conv is not None:
             # zero past each end, as a lone series' conv pads: then every output step within
             # ceil(L / stride) equals the lone series' own
-            x = x * (torch.arange(x.shape[1], device=x.device).view(1, -1) < lengths.view(-1, 1)).unsqueeze(-1).to(x.dtype)
+            inside = torch.arange(x.shape[1], device=x.device).view(1, -1) < lengths.view(-1, 1)
+            x = x * inside.unsqueeze(-1).to(x.dtype)
             x = F.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
             lengths = (lengths + self.conv_stride - 1) // self.conv_stride
         steps = torch.arange(x.shape[1], device=x.device)

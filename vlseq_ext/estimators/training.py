@@ -28,7 +28,6 @@ __all__ = ["as_series", "Scaler", "SCALINGS", "LR_SCHEDULES", "validation_folds"
 
 SCALINGS = ("standard", "series", None)
 LR_SCHEDULES = ("plateau", "cosine", None)
-F32_MAX = float(np.finfo(np.float32).max)
 # the estimator's own choices; trainer_kwargs may not set them again
 _OWN_TRAINER_ARGS = ("model", "optimizer", "loss_fn", "devices", "samples_per_device", "reduction",
                      "clip_grad_norm")
@@ -80,7 +79,8 @@ class Scaler:
             allv = np.concatenate(series).astype(np.float64)
             self.mean_ = allv.mean(0)
             std = allv.std(0)
-            self.scale_ = np.where(std > 1e-12 * np.maximum(1.0, np.abs(self.mean_)), std, 1.0)  # a constant channel stays put
+            # a constant channel is only shifted (dividing by ~0 would blow its rounding noise up)
+            self.scale_ = np.where(std > 1e-12 * np.maximum(1.0, np.abs(self.mean_)), std, 1.0)
         return self
 
     def transform(self, series: Sequence[np.ndarray]) -> List[np.ndarray]:
@@ -131,15 +131,14 @@ def trainer_options(trainer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if not isinstance(trainer_kwargs, dict):
         raise ValueError(f"trainer_kwargs must be a dict of ParallelTrainer arguments or None, "
                          f"got {type(trainer_kwargs).__name__}")
-    known = _TRAINER_ARGS
     own = sorted(set(trainer_kwargs) & set(_OWN_TRAINER_ARGS))
     if own:
         raise ValueError(f"trainer_kwargs: {', '.join(own)} are the estimator's own parameters; set them on the "
                          "estimator (devices, samples_per_device, clip_grad_norm)")
-    unknown = sorted(set(trainer_kwargs) - known)
+    unknown = sorted(set(trainer_kwargs) - _TRAINER_ARGS)
     if unknown:
         raise ValueError(f"trainer_kwargs: unknown ParallelTrainer argument(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(known - set(_OWN_TRAINER_ARGS)))})")
+                         f"(known: {', '.join(sorted(_TRAINER_ARGS - set(_OWN_TRAINER_ARGS)))})")
     return dict(trainer_kwargs)
 
 
