@@ -10,6 +10,7 @@ backward through the kernels is not supported (it raises).
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Optional, Set
 
@@ -23,12 +24,15 @@ from . import functional
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
 KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
-# "auto", from the rnn bench on an H200 (BENCHMARKS.md): at and below this width cuDNN runs its own
-# persistent kernel for unpadded float32 input (PERSIST_STATIC_SMALL_H) and is faster than ours, so
-# such calls stay with cuDNN; and layers too large for a thread-block cluster (the grid layout,
-# fp32 LSTM hidden >= 512) measured slower than cuDNN, so they stay with cuDNN too.
+# "auto" follows the rnn bench on an H200 (BENCHMARKS.md, 2026-12-01; forward + backward, ours against
+# cuDNN in the same run). cuDNN stays where it measured faster:
+# - unpadded input up to hidden 128, where cuDNN runs its own persistent kernel (ours 0.35-0.87x);
+# - unpadded input under bf16 autocast (ours 0.84x at hidden 256, 0.29x at 1024);
+# - the grid layout with 16 or more samples per block (fp32 LSTM 1024 at batch 32: 0.88x; TF32 0.52x).
+# Everywhere else ours measured faster: 1.2-1.5x at hidden 256, 2.1x at hidden 512 and 1.4x at 1024
+# for one sample, and 1.2-4.9x on batches with per-sample lengths, which cuDNN runs packed.
 AUTO_CUDNN_MAX_HIDDEN = 128
-
+AUTO_CUDNN_GRID_SAMPLES = 16
 
 # The CPU kernels (ops.rnn_forward on CPU) are slower than torch's CPU RNN, so the modules never pick
 # them; tests set this to run the modules' kernel path (input handling, packing) on CPU-only CI.
@@ -103,9 +107,11 @@ class _KernelRNN:
                 _warn_once(reason)
             return False
         if self.kernels == "auto":
-            if not padded and self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN:
+            if not padded and (self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN or functional.precision_for(x) == "bf16"):
                 return False
-            if x.is_cuda and self._plan(batch, x.device).startswith("grid"):
+            plan = self._plan(batch, x.device)
+            per_block = re.search(r"(\d+) samples per block", plan)
+            if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
                 return False
         return True
 
@@ -209,9 +215,8 @@ class LSTM(_KernelRNN, nn.LSTM):
     """nn.LSTM on the persistent kernels. forward(input, hx=None, lengths=None) -> (output, (h_n, c_n)).
 
     `kernels`: "vlseq" (default: the kernels wherever they can run, a one-time warning where they
-    cannot), "auto" (the kernels where the rnn bench measured them faster than cuDNN: layers that
-    fit a thread-block cluster, unless the input is unpadded and hidden <= 128), "cudnn" (torch's
-    own). Settable at any time."""
+    cannot), "auto" (the kernels where the rnn bench measured them faster than cuDNN: see
+    AUTO_CUDNN_MAX_HIDDEN above), "cudnn" (torch's own). Settable at any time."""
 
     def __init__(self, *args, kernels: str = "vlseq", **kwargs) -> None:
         super().__init__(*args, **kwargs)
