@@ -10,7 +10,6 @@
 // number of waves of groups that do not fit on the GPU at once; BENCHMARKS.md has what it picks and
 // what that measures.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -214,8 +213,15 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  const cudaDeviceProp& p = *at::cuda::getDeviceProperties(device);
+  // (ATen/cuda/CUDAContext.h would give cached properties, but it needs the cuSPARSE headers, which
+  // a pip-installed CUDA toolkit does not put where the build looks.)
+  cudaDeviceProp p;
   LayerPlan plan;
+  if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    plan.why_not = "the properties of CUDA device " + std::to_string(device) + " could not be read";
+    return plan;
+  }
   if (p.major < 9) {
     plan.why_not = "the kernels need thread-block clusters (compute capability 9.0 or newer); this GPU is " +
                    std::to_string(p.major) + "." + std::to_string(p.minor);
@@ -272,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
   launch(forward_kernel(z.cell, z.weights, bt), a, plan, plan.smem_forward,
-         at::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
+         c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
 
@@ -312,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   launch(backward_kernel(z.cell, z.weights, plan.bt), a, plan, plan.smem_backward,
-         at::cuda::getCurrentCUDAStream(y.get_device()).stream());
+         c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }
 
