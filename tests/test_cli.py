@@ -301,7 +301,7 @@ def test_the_run_configuration_is_one_typed_record():
                                                 "synthetic_samples"}
     config = RunConfig(clip_grad=0.5, amp="bf16", samples_per_device=4)
     assert config.trainer_options() == {"samples_per_device": 4, "reduction": "mean", "clip_grad_norm": 0.5,
-                                        "amp": "bf16"}
+                                        "amp": "bf16", "rnn_kernels": "auto"}
     TrainerOptions.from_keywords(config.trainer_options())  # every name is one the trainer knows
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lr = 1.0

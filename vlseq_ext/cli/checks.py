@@ -8,11 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..checkpoint_fields import MAX_PARAMETERS, rnn_parameters
 from ..files import is_stream
 
-# The model may not have more parameters than this (8 GiB of float32 weights, and as much again for
-# the gradients and twice for Adam's state, per device).
-MAX_PARAMETERS = 2 ** 31
 # The synthetic set: 36 features, lengths 50..500 (mean 275); building it holds about 3 copies.
 SYNTHETIC_BYTES_PER_SAMPLE = 275 * 36 * 4 * 3
 FALLBACK_PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
@@ -35,13 +33,6 @@ def physical_memory() -> Optional[int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def rnn_parameters(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int) -> int:
-    """Parameters of SeqModel (unidirectional): gates x H x (in + H + 2) per layer, plus the head."""
-    gates = 4 if rnn == "lstm" else 3
-    n = sum(gates * hidden * ((input_dim if layer == 0 else hidden) + hidden + 2) for layer in range(layers))
-    return n + hidden * output_dim + output_dim
 
 
 def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "") -> None:

@@ -150,14 +150,34 @@ class RunConfig:
         return {f.metadata["trainer"]: getattr(self, f.name) for f in self.options() if f.metadata["trainer"]}
 
     def check(self) -> None:
-        """Every option's value, each refused by its flag (CLIError) when it makes no sense."""
-        for f in self.options():
-            if f.metadata["check"] is None:
-                continue
-            accepts, expected = f.metadata["check"]
-            value = getattr(self, f.name)
-            if not accepts(value):
-                raise CLIError(f"{flag(f.name)} must be {expected}, got {value}")
+        """Every field's type, and every option's value, each refused by its flag (CLIError) when it
+        makes no sense (a value read from a checkpoint passes the same checks as one given now)."""
+        for f in fields(self):
+            value, m = getattr(self, f.name), f.metadata
+            name = flag(f.name) if m["kind"] == "option" else f.name
+            if not _has_type(value, str(f.type)):
+                raise CLIError(f"{name} must be {_TYPE_NAMES[str(f.type)]}, got {value!r}")
+            if m.get("choices") and value is not None and value not in m["choices"]:
+                raise CLIError(f"{name} must be one of {', '.join(m['choices'])}, got {value!r}")
+            if m.get("check") is not None:
+                accepts, expected = m["check"]
+                if not accepts(value):
+                    raise CLIError(f"{name} must be {expected}, got {value}")
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_TYPE_NAMES.update({f"Optional[{k}]": f"{v} or nothing" for k, v in list(_TYPE_NAMES.items())})
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    """value fits a field annotated `annotation` ("int", "Optional[float]", ...); a bool is no number."""
+    optional = annotation.startswith("Optional[")
+    base = annotation[len("Optional["):-1] if optional else annotation
+    if value is None:
+        return optional
+    if isinstance(value, bool):
+        return base == "bool"
+    return isinstance(value, {"int": int, "float": (int, float), "str": str, "bool": bool}[base])
 
 
 def flag(name: str) -> str:

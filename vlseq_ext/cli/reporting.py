@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..checkpoint_fields import FieldError, check_dict, check_int, check_number
 from ..files import is_stream, write_atomically
 from .checks import CLIError
 from .file_rules import refuse
@@ -99,6 +100,33 @@ class RunState:
 
     EPOCH_ZERO = {"samples": 0, "loss_sum": 0.0, "loss_samples": 0, "grad_norm_sum": 0.0, "grad_norm_steps": 0,
                   "grad_norm_max": 0.0, "train_time": 0.0}
+    SERIES = {"step": ("loss",), "val_step": ("val_loss", "val_accuracy"), "epoch_loss": ()}  # a series: its partners
+
+    @classmethod
+    def check_saved(cls, saved: Any) -> None:
+        """A checkpoint's "run" entry, field by field (FieldError): what __init__ reads from it."""
+        check_dict(saved, "run", ("step", "epoch", "elapsed", "history"), ("step",))
+        for k, v in check_dict(saved.get("epoch", {}), "run epoch", cls.EPOCH_ZERO).items():
+            check_number(v, f"run epoch {k}")
+        check_number(saved.get("elapsed", 0.0), "run elapsed", 0)
+        history = check_dict(saved.get("history", {}), "run history", [k for kv in cls.SERIES.items() for k in
+                                                                         (kv[0], *kv[1])])
+        for key, partners in cls.SERIES.items():
+            lengths = set()
+            for k in (key, *partners):
+                v = history.get(k, [])
+                if isinstance(v, Tensor) and v.dim() == 1:
+                    v = v.tolist()
+                if not isinstance(v, list):
+                    raise FieldError(f"run history {k} is not a list")
+                for x in v:
+                    if k in ("step", "val_step"):
+                        check_int(x, f"run history {k}")
+                    elif x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)):
+                        raise FieldError(f"run history {k} holds a {type(x).__name__}, not a number")
+                lengths.add(len(v))
+            if len(lengths) > 1:
+                raise FieldError(f"run history {', '.join((key, *partners))} differ in length")
 
     def __init__(self, saved: Optional[Dict[str, Any]] = None) -> None:
         s = saved or {}

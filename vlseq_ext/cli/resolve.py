@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..checkpoint import CHECKPOINT_NAME, CheckpointError, find_checkpoint, read_checkpoint
+from ..checkpoint import CHECKPOINT_NAME, DAMAGED, CheckpointError, find_checkpoint, read_checkpoint
+from ..checkpoint_fields import FieldError
 from ..data import BUILTIN
 from . import checks, file_rules
 from .checks import CLIError
 from .config import RunConfig, flag, given_options
-from .reporting import matplotlib_available
+from .reporting import RunState, matplotlib_available
 
 __all__ = ["Resolved", "resolve"]
 
@@ -91,10 +92,20 @@ def _continued(given: Dict[str, Any], ckpt: Dict[str, Any], resumed: Path) -> Tu
     """The configuration of a resumed run: the checkpoint's, with the options given now (but for the
     fixed ones). Returns (values, the resumed checkpoint file, whether the run forks into a new folder)."""
     saved = RunConfig.from_saved(ckpt["config"])
+    kept = {**RunConfig.defaults(), **saved}
+    try:
+        RunConfig(**kept).check()
+        RunState.check_saved(ckpt["run"])
+    except (CLIError, FieldError) as exc:
+        raise CLIError(f"--resume: {resumed}: its saved run: {exc}; {DAMAGED}") from None
+    inferred = kept["task"] is None  # the task the run's data implied
+    if inferred:
+        kept["task"] = ckpt["data"]["task"]
     for k in RunConfig.fixed_on_resume():
-        if k in given and given[k] != saved.get(k):
-            raise CLIError(f"{flag(k)} {given[k]} differs from the checkpoint's {saved.get(k)}; a resumed run keeps "
-                           "its model, seed and data split")
+        if k in given and given[k] != kept[k]:
+            was = f"{kept[k]}{' (inferred from its data)' if k == 'task' and inferred else ''}"
+            raise CLIError(f"{flag(k)} {given[k]}: the resumed run has {flag(k)} {was}, and a resumed run keeps its "
+                           f"model, seed and data split: leave out {flag(k)}, or start a new run without --resume")
     values = {**RunConfig.defaults(), **saved, **given}
     if "data" not in given and values["data"] not in BUILTIN and not Path(values["data"]).exists():
         file_rules.refuse("resumed-data-path", data=values["data"], cwd=Path.cwd())
