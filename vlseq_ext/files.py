@@ -11,14 +11,16 @@ and prediction unreadable to the user's group.
 """
 from __future__ import annotations
 
+import errno
+import glob
 import os
 import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any, Callable, Union
+from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["write_atomically", "is_stream", "fsync_dir", "new_file_mode"]
+__all__ = ["write_atomically", "is_stream", "fsync_dir", "new_file_mode", "path_problem"]
 
 PathLike = Union[str, Path]
 _umask_lock = threading.Lock()
@@ -37,6 +39,53 @@ def new_file_mode() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
     return 0o666 & ~mask
+
+
+def path_problem(path: PathLike, dangling_ok: bool = False) -> Optional[str]:
+    """Why `path` cannot be looked up, in words to follow it in a message, or None: a name in it (or
+    the whole) longer than the file system allows, a symbolic link loop, a symbolic link to nothing
+    on the way (at the end too, unless dangling_ok: an output is written through a link), no
+    permission. A path that does not exist (yet) is no problem here."""
+    try:
+        os.stat(path)
+        return None
+    except (FileNotFoundError, NotADirectoryError):  # (missing, or a file on the way: the caller says so)
+        for p in [Path(path), *Path(path).parents]:
+            if os.path.islink(p) and not os.path.exists(p) and not (dangling_ok and p == Path(path)):
+                where = "is" if p == Path(path) else f"goes through {p},"
+                return (f"{where} a symbolic link to {os.readlink(p)}, which does not exist: create that, or give "
+                        "another path")
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            return _too_long(Path(path))
+        if exc.errno == errno.ELOOP:
+            loop = next((p for p in [*reversed(Path(path).parents), Path(path)] if _loops(p)), Path(path))
+            what = "is a symbolic link loop" if loop == Path(path) else f"goes through {loop}, a symbolic link loop"
+            return f"{what}: repair the link, or give another path"
+        return f"cannot be looked up: {exc.strerror or exc}"
+
+
+def _loops(p: Path) -> bool:
+    try:
+        os.stat(p)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
+def _too_long(path: Path) -> str:
+    known = next((p for p in path.absolute().parents if os.path.isdir(p)), Path("/"))
+    try:
+        name_max, path_max = os.pathconf(known, "PC_NAME_MAX"), os.pathconf(known, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max, path_max = 255, 4096
+    for part in path.parts:
+        n = len(os.fsencode(part))
+        if n > name_max:
+            return f"a name in it is {n} bytes long, and the file system allows {name_max}: choose a shorter name"
+    n = len(os.fsencode(str(path.absolute())))
+    return f"the path is {n} bytes long, and the system allows {path_max - 1}: choose a shorter path"
 
 
 def fsync_dir(folder: Path) -> None:
@@ -85,14 +134,17 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     if path.is_symlink():  # write where the link points; replacing the link would leave its target stale
         path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary's name starts with at most 100 bytes of the file's: a name near the file system's
+    # limit would leave no room for the rest.
+    prefix = "." + os.fsdecode(os.fsencode(path.name)[:100]) + "."
     if clear_stale:
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        for stale in path.parent.glob(glob.escape(prefix) + "*.tmp"):
             stale.unlink(missing_ok=True)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         mode = new_file_mode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, mode)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..checkpoint_fields import MAX_PARAMETERS, rnn_parameters
-from ..files import is_stream
+from ..files import is_stream, path_problem
 
 # The synthetic set: 36 features, lengths 50..500 (mean 275); building it holds about 3 copies.
 SYNTHETIC_BYTES_PER_SAMPLE = 275 * 36 * 4 * 3
@@ -80,9 +80,18 @@ def remove_empty_dirs(dirs: Sequence[Path]) -> None:
             break
 
 
+def check_path(path: Path, flag: str, dangling_ok: bool = False) -> None:
+    """A path given for `flag` can be looked up (files.path_problem: no name too long, no symbolic link
+    loop, no link to nothing on the way, unless dangling_ok for the link at its end)."""
+    problem = path_problem(path, dangling_ok)
+    if problem:
+        raise CLIError(f"{flag} {path}: {problem}")
+
+
 def check_dir(path: Path, flag: str) -> None:
     """`path` is (or can be created as) a directory where files can be written. Creates nothing that
     stays: a missing directory is created and removed again."""
+    check_path(path, flag)
     if path.exists():
         if not path.is_dir():
             raise CLIError(f"{flag} {path}: is a file, not a directory" if path.is_file()
@@ -105,8 +114,10 @@ def check_dir(path: Path, flag: str) -> None:
 
 
 def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -> None:
-    """`path` can be written as a file: not a directory, its folder usable, its extension one of
-    `formats` (when given). An existing file is fine (the caller decides about overwriting)."""
+    """`path` can be written as a file: not a directory, its folder usable (a symbolic link to nothing
+    is written through: its target's), its extension one of `formats` (when given). An existing file
+    is fine (the caller decides about overwriting)."""
+    check_path(path, flag, dangling_ok=True)
     if formats is not None and not is_stream(path):  # (a stream such as /dev/null needs no extension)
         ext = path.suffix.lower().lstrip(".")
         known = sorted(formats)
@@ -115,10 +126,8 @@ def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -
         if ext not in known:
             raise CLIError(f"{flag} {path}: unknown extension .{ext} (use one of: "
                            f"{', '.join('.' + f for f in known)})")
-    try:
-        path.resolve()
-    except (OSError, RuntimeError):
-        raise CLIError(f"{flag} {path}: is a symbolic link loop") from None
+    if path.is_symlink() and not path.exists():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise CLIError(f"{flag} {path}: is a directory, not a file")
     if path.exists():

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from ..checkpoint import CHECKPOINT_NAME, MODEL_KEYS, CheckpointError, build_model, find_checkpoint, read_checkpoint
 from ..data import DataError, RaggedDataset, check_file as check_data_file, load_ragged, load_ts
 from ..devices import parse_devices
-from ..files import write_atomically
+from ..files import is_stream, write_atomically
 from .._version import __version__
-from .checks import CLIError, check_file
+from .checks import CLIError, check_file, check_path
 from .file_rules import check_outputs_distinct, refuse
 from .reporting import one_line_warnings
 
@@ -79,6 +79,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Every output problem, before anything is loaded or computed."""
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_path(Path(args.checkpoint), "--checkpoint")
+    check_path(Path(args.data), "--data")
     out = Path(args.out)
     check_file(out, "--out", OUT_FORMATS)
     paths = [("--out", out)]
@@ -90,7 +92,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     check_outputs_distinct(paths, [("--data", Path(args.data))]
                            + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
     for flag, path in paths:
-        if path.exists() and not args.overwrite:
+        if path.exists() and not args.overwrite and not is_stream(path):  # (a stream is appended to)
             refuse("predict-outputs", flag=flag, path=path)
 
 

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -65,7 +66,7 @@ def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
     rewritten (resume-not-metrics): a resume with --metrics notes.txt would have kept only JSON."""
     if is_stream(path):  # append: a second offset on stdout's file would write over what else is printed there
         return open(path, "a", encoding="utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)  # (a symbolic link: its target's)
     if resume_step is None or not path.exists():
         return open(path, "w", encoding="utf-8")
     try:

@@ -51,6 +51,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
     if args.resume:
         if args.overwrite:
             file_rules.refuse("overwrite-or-resume")
+        checks.check_path(Path(args.resume), "--resume")
         ckpt = _load_resumed(args.resume)
         values, resumed, fork = _continued(given, ckpt, find_checkpoint(args.resume))
     else:
@@ -62,6 +63,8 @@ def resolve(args: argparse.Namespace) -> Resolved:
         values["epochs" if "max_steps" in given else "max_steps"] = None
     given_now = RunConfig(**values)
     given_now.check()
+    if values["data"] not in BUILTIN:
+        checks.check_path(Path(values["data"]), "--data")
     checks.check_sizes(given_now, ckpt)
     claimed: List[Path] = []
     if values["checkpoint_dir"]:
