@@ -15,12 +15,15 @@ import errno
 import glob
 import os
 import stat
+import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Dict, Optional, Union
 
-__all__ = ["write_atomically", "is_stream", "fsync_dir", "new_file_mode", "path_problem"]
+__all__ = ["write_atomically", "is_stream", "is_terminal", "open_stream", "stream_descriptor", "fsync_dir", "new_file_mode",
+           "path_problem"]
 
 PathLike = Union[str, Path]
 _umask_lock = threading.Lock()
@@ -99,6 +102,65 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def stream_descriptor(path: PathLike) -> Optional[int]:
+    """The descriptor of this process that `path` names (/dev/stdout, /dev/stderr, /dev/fd/N,
+    /proc/self/fd/N), or None."""
+    text = os.path.abspath(str(path))
+    named = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}.get(text)
+    if named is not None:
+        return named
+    for base in ("/dev/fd/", "/proc/self/fd/"):
+        if text.startswith(base) and text[len(base):].isdigit():
+            return int(text[len(base):])
+    return None
+
+
+def open_stream(path: PathLike, binary: bool = False) -> IO[Any]:
+    """A stream output (is_stream) opened for appending where it is. A descriptor of this process
+    (/dev/stdout, ...) is written through a duplicate, which shares its offset with everything else
+    the process writes there: opened anew, /dev/stdout redirected to a file would start at its
+    beginning and the two writers would overwrite each other. Behind a redirect to a regular file it
+    appends. A FIFO without a reader says so (a warning) before it waits for one."""
+    kw: Dict[str, Any] = {} if binary else {"encoding": "utf-8", "newline": ""}
+    mode = "ab" if binary else "a"
+    fd = stream_descriptor(path)
+    if fd is not None:
+        for std, n in ((sys.stdout, 1), (sys.stderr, 2)):
+            if fd == n and std is not None:
+                std.flush()  # what the process printed there before comes first
+        dup = os.dup(fd)
+        if stat.S_ISREG(os.fstat(dup).st_mode):
+            import fcntl  # (POSIX: the only systems with such paths)
+            fcntl.fcntl(dup, fcntl.F_SETFL, fcntl.fcntl(dup, fcntl.F_GETFL) | os.O_APPEND)
+        return os.fdopen(dup, mode, **kw)
+    if stat.S_ISFIFO(os.stat(path).st_mode):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+            warnings.warn(f"vlseq_ext: {path} is a FIFO that nothing reads yet: waiting for a reader (e.g. cat {path} "
+                          "in another terminal)", RuntimeWarning, stacklevel=2)
+    return open(path, mode, **kw)
+
+
+def is_terminal(path: PathLike) -> bool:
+    """`path` is a terminal (/dev/stdout when it is one, /dev/tty, /dev/pts/N)."""
+    fd = stream_descriptor(path)
+    try:
+        if fd is not None:
+            return os.isatty(fd)
+        if not stat.S_ISCHR(os.stat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return False
+    try:
+        return os.isatty(fd)
+    finally:
+        os.close(fd)
+
+
 def is_stream(path: PathLike) -> bool:
     """A device, FIFO or socket, or a name for an open descriptor (/dev/stdout, /dev/fd/N,
     /proc/self/fd/N, which may point at a regular file the shell redirected to): written in place and
@@ -128,7 +190,7 @@ def write_atomically(path: PathLike, write: Callable[[IO[Any]], None], *, text: 
     path = Path(path)
     kw = {"newline": "", "encoding": "utf-8"} if text else {}
     if is_stream(path):
-        with open(path, "a" if text else "ab", **kw) as fh:  # append: stdout redirected to a file keeps the rest
+        with open_stream(path, binary=not text) as fh:
             write(fh)
         return path
     if path.is_symlink():  # write where the link points; replacing the link would leave its target stale

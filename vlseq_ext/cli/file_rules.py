@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
+from ..files import is_terminal
 from .checks import CLIError, check_dir, check_file, plot_formats
 
 __all__ = ["Rule", "RULES", "refuse", "same_file", "check_outputs_distinct", "check_output_paths",
            "check_not_a_previous_run", "check_new_output", "check_resume_target"]
+
+
+TEXT_PLOT_FORMATS = ("svg", "eps", "ps", "pgf")  # what matplotlib writes as text; the rest is binary
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,17 @@ RULES: Dict[str, Rule] = _rules(
          "--checkpoint-dir {dir}: another vlseq-train run is using this folder now; wait for it to finish, or choose "
          "another --checkpoint-dir"),
     Rule("streams", "an output that is a stream (/dev/null, a FIFO, /dev/stdout)",
-         "written in place and appended to, never replaced or renamed over; it needs no file extension",
+         "written in place and appended to, never replaced or renamed over; it needs no file extension; a "
+         "descriptor of the process (/dev/stdout) is written through a duplicate, which shares its offset (and "
+         "appends behind a redirect to a file), so the run's own printing never overwrites it; a FIFO nothing reads "
+         "yet is waited for with a warning",
          ("test_a_resume_appends_to_a_stream_and_never_replaces_it", "test_dev_null_as_the_plot",
-          "test_a_stream_is_written_in_place_never_replaced")),
+          "test_a_stream_is_written_in_place_never_replaced", "test_outputs_on_redirected_standard_streams_stay_whole",
+          "test_a_fifo_without_a_reader_is_waited_for_with_a_warning")),
+    Rule("binary-to-a-terminal", "--plot is a terminal (/dev/stdout not redirected) and its format is binary",
+         "refused before training: redirect it to a file", ("test_a_binary_plot_to_a_terminal_is_refused",),
+         "--plot {path} is a terminal, and a {fmt} plot is binary: redirect it to a file, or give --plot a file "
+         "name"),
     Rule("writable-up-front", "an output that cannot be written (a file as the folder, a folder as the file, no "
          "permission, a plot extension matplotlib lacks, a symbolic link loop)", "refused before training",
          ("test_impossible_output_paths_are_refused_before_training",
@@ -171,6 +183,9 @@ def check_output_paths(config: Any, resumed: Optional[Path] = None) -> None:
     check_file(run_dir / CHECKPOINT_NAME, "--checkpoint-dir")  # (not a directory: found late)
     check_file(metrics, "--metrics")
     check_file(plot, "--plot", plot_formats())
+    fmt = plot.suffix.lower().lstrip(".") or "png"  # (the format write_plot uses)
+    if is_terminal(plot) and fmt not in TEXT_PLOT_FORMATS:
+        refuse("binary-to-a-terminal", path=plot, fmt=fmt)
     outputs = [("--metrics", metrics), ("--plot", plot)]
     data = Path(config.data)
     check_outputs_distinct(outputs + [("--checkpoint-dir", run_dir / CHECKPOINT_NAME)],

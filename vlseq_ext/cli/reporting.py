@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoint_fields import FieldError, check_dict, check_int, check_number
-from ..files import is_stream, write_atomically
+from ..files import is_stream, open_stream, write_atomically
 from .checks import CLIError
 from .file_rules import refuse
 
@@ -64,8 +64,8 @@ def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
     dropped first (file rule resume-trims-metrics); otherwise it starts empty. A stream (/dev/null, a
     FIFO) is only appended to (streams). A file that is not a metrics file is refused rather than
     rewritten (resume-not-metrics): a resume with --metrics notes.txt would have kept only JSON."""
-    if is_stream(path):  # append: a second offset on stdout's file would write over what else is printed there
-        return open(path, "a", encoding="utf-8")
+    if is_stream(path):
+        return open_stream(path)
     Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)  # (a symbolic link: its target's)
     if resume_step is None or not path.exists():
         return open(path, "w", encoding="utf-8")
