@@ -11,8 +11,11 @@ import pytest
 
 from vlseq_ext import data, files
 from vlseq_ext.cli import predict
+from vlseq_ext.cli.config import build_parser
+from vlseq_ext.cli.locks import RunLock
+from vlseq_ext.cli.resolve import resolve
 
-from cli_helpers import SMALL, cmd, needs_mpl, one_line_error, run, subprocess_env
+from cli_helpers import HAS_MPL, SMALL, cmd, needs_mpl, one_line_error, run, steps, subprocess_env
 
 TRAIN_PATHS = ("--data", "--checkpoint-dir", "--metrics", "--plot", "--resume")
 PREDICT_PATHS = ("--checkpoint", "--data", "--out", "--metrics")
@@ -122,3 +125,97 @@ def test_vlseq_predict_appends_to_a_stream_without_overwrite(trained, capsys):
     rc = predict.main(["--checkpoint", str(trained / "run"), "--data", str(trained / "d.npz"), "--out", "/dev/null",
                        "--quiet"])
     assert rc == 0, capsys.readouterr().err
+
+
+def test_a_live_runs_files_are_its_own(tmp_path, capsys):
+    """A live run holds its output files as it holds its folder: another run may not write them, given by
+    name or found in the live run's folder, --overwrite or not (before: --metrics on a live run's metrics
+    file with --overwrite left it with NUL bytes and mixed records, and the live run could not resume)."""
+    live_dir, metrics = tmp_path / "live", tmp_path / "live.jsonl"
+    metrics.write_text('{"type": "step", "step": 1}\n')
+    live = RunLock(live_dir, outputs=[("--metrics", metrics), ("--plot", live_dir / "loss.png")])
+    (live_dir / "metrics.jsonl").write_text("the live run's folder\n")
+    try:
+        for flag, path in (("--metrics", metrics), ("--plot", live_dir / "loss.png")):
+            rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "other", flag, path,
+                             "--overwrite")
+            one_line_error(rc, err, f"{flag} {path}: another vlseq-train run is writing this file now")
+        assert metrics.read_text() == '{"type": "step", "step": 1}\n' and (live_dir / "loss.png").read_bytes() == b""
+    finally:
+        live.release()
+    assert sorted(os.listdir(live_dir)) == ["metrics.jsonl"]  # the empty plot it held is gone with it
+    assert sorted(os.listdir(tmp_path)) == ["live", "live.jsonl"]
+
+
+def test_two_runs_started_together_never_share_a_file(tmp_path, capsys):
+    """Both used to pass the "exists" check and wrote torn, interleaved records. The file rules that read
+    the outputs now run under the lock, so the second run meets the first one's lock, or, once that
+    run is done, its records."""
+    shared = tmp_path / "m.jsonl"
+    argv = [*SMALL, "--max-steps", 1, "--metrics", shared]
+    first = resolve(build_parser().parse_args([str(a) for a in argv + ["--checkpoint-dir", tmp_path / "a"]]))
+    try:
+        rc, _, err = run(capsys, *argv, "--checkpoint-dir", tmp_path / "b")
+        one_line_error(rc, err, f"--metrics {shared}: another vlseq-train run is writing this file now")
+    finally:
+        first.lock.release()
+    assert not shared.exists() and not (tmp_path / "b").exists()
+    rc, _, err = run(capsys, *argv, "--checkpoint-dir", tmp_path / "a")
+    assert rc == 0, err
+    rc, _, err = run(capsys, *argv, "--checkpoint-dir", tmp_path / "b")
+    one_line_error(rc, err, f"--metrics {shared} already exists")
+
+
+def test_no_output_replaces_a_checkpoint_and_no_advice_leads_there(trained, tmp_path, capsys):
+    """--metrics on another run's last.pt was refused with advice to pass --overwrite, which then turned
+    the checkpoint into JSON lines. Neither a checkpoint nor the metrics a run resumes into is replaced
+    by another output, and no message advises it."""
+    run_dir = trained / "run"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    for argv, expect in (
+            (["--metrics", run_dir / "last.pt"], "holds a checkpoint, which no other output replaces"),
+            (["--metrics", run_dir / "metrics.jsonl"], f"is the metrics file of the run in {run_dir}"),
+            (["--resume", run_dir, "--checkpoint-dir", tmp_path / "fork", "--metrics", run_dir / "metrics.jsonl"],
+             f"is the metrics file of the run in {run_dir}")):
+        for extra in ([], ["--overwrite"]) if "--resume" not in argv else ([],):
+            rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", tmp_path / "new", *argv, *extra)
+            one_line_error(rc, err, expect, "choose another --metrics file")
+            assert "pass --overwrite" not in err
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    for name in ("copy.pt", "copy.csv"):  # (whatever its name says)
+        (keep / name).write_bytes(before["last.pt"])
+    for flag, name in (("--out", "copy.csv"), ("--metrics", "copy.pt")):
+        argv = {"--out": str(tmp_path / "p.csv"), flag: str(keep / name)}
+        rc = predict.main(["--checkpoint", str(run_dir), "--data", str(trained / "d.npz"), "--overwrite",
+                           *[x for kv in argv.items() for x in kv]])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag} {keep / name} holds a checkpoint, which" in err, err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["keep"]
+    assert {p.read_bytes() for p in keep.iterdir()} == {before["last.pt"]}
+
+
+def test_a_fork_refusal_names_the_flag_at_fault(trained, tmp_path, capsys):
+    # before: "--checkpoint-dir F already holds files of another run (notes.jsonl)", about a --metrics file
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("mine\n")
+    rc, _, err = run(capsys, "--resume", trained / "run", "--checkpoint-dir", tmp_path / "F", "--metrics", notes,
+                     "--max-steps", 3)
+    one_line_error(rc, err, f"--metrics {notes} already exists, and a fork starts its own metrics file: choose "
+                            "another --metrics file")
+    assert sorted(os.listdir(tmp_path)) == ["notes.jsonl"] and notes.read_text() == "mine\n"
+
+
+def test_a_renamed_run_folder_resumes_where_it_is_now(tmp_path, capsys):
+    """Outputs given inside the run folder move with it: a resume of the renamed folder recreated the old
+    one for them, splitting the run's history in two places."""
+    old, new = tmp_path / "Q", tmp_path / "Q2"
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", old, "--metrics", old / "m.jsonl",
+                     "--plot", old / "curve.svg", "--val-fraction", 0)
+    assert rc == 0, err
+    old.rename(new)
+    rc, _, err = run(capsys, "--resume", new, "--max-steps", 3)
+    assert rc == 0, err
+    assert not old.exists() and sorted(steps(new / "m.jsonl")) == [1, 2, 3]
+    assert sorted(os.listdir(new)) == ["curve.svg", "last.pt", "m.jsonl"] or not HAS_MPL

@@ -134,13 +134,16 @@ def open_stream(path: PathLike, binary: bool = False) -> IO[Any]:
             fcntl.fcntl(dup, fcntl.F_SETFL, fcntl.fcntl(dup, fcntl.F_GETFL) | os.O_APPEND)
         return os.fdopen(dup, mode, **kw)
     if stat.S_ISFIFO(os.stat(path).st_mode):
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        try:  # (closing this end again would end the stream for a reader already there)
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as exc:
             if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
                 raise
             warnings.warn(f"vlseq_ext: {path} is a FIFO that nothing reads yet: waiting for a reader (e.g. cat {path} "
                           "in another terminal)", RuntimeWarning, stacklevel=2)
+        else:
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, mode, **kw)
     return open(path, mode, **kw)
 
 

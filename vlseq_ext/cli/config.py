@@ -121,6 +121,7 @@ class RunConfig:
     forked_from: Optional[str] = private(None)  # the run id of the run this one was forked from
     metrics_default: Optional[bool] = private(None)  # metrics was not given: it follows the run folder
     plot_default: Optional[bool] = private(None)  # the same for the plot
+    run_dir: Optional[str] = private(None)  # the run folder, absolute, when saved: outputs in it move with it
 
     # -- the fields by kind -----------------------------------------------------------------------
     @classmethod

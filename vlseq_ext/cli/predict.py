@@ -26,7 +26,7 @@ from ..devices import parse_devices
 from ..files import is_stream, write_atomically
 from .._version import __version__
 from .checks import CLIError, check_file, check_path
-from .file_rules import check_outputs_distinct, refuse
+from .file_rules import check_outputs_distinct, check_outputs_replaceable, refuse
 from .reporting import one_line_warnings
 
 PROG = "vlseq-predict"
@@ -91,6 +91,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     checkpoint = find_checkpoint(args.checkpoint)
     check_outputs_distinct(paths, [("--data", Path(args.data))]
                            + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
+    check_outputs_replaceable(paths)
     for flag, path in paths:
         if path.exists() and not args.overwrite and not is_stream(path):  # (a stream is appended to)
             refuse("predict-outputs", flag=flag, path=path)

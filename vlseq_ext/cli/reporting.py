@@ -1,26 +1,23 @@
-"""What vlseq-train shows and writes: the progress bar or log lines, the JSON Lines metrics file, the
+"""What vlseq-train shows and writes: the progress bar or log lines (the metrics file: metrics.py), the
 run's counters and history (saved in every checkpoint), the loss plot, and the final summary."""
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..checkpoint_fields import FieldError, check_dict, check_int, check_number
-from ..files import is_stream, open_stream, write_atomically
-from .checks import CLIError
-from .file_rules import refuse
+from ..files import write_atomically
+from .metrics import MetricsFile
 
 
 @contextlib.contextmanager
@@ -33,67 +30,6 @@ def one_line_warnings(prog: str) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
-
-
-class MetricsFile:
-    """The JSON Lines metrics file: strict JSON records, flushed after every write. A failed write
-    (a full disk) becomes a CLIError naming the file; closing never raises."""
-
-    def __init__(self, path: Optional[Path], fh: TextIO) -> None:
-        self.path, self.fh = path, fh
-
-    def write(self, recs: Sequence[Dict[str, Any]]) -> None:
-        """Append records; a non-finite number becomes null (skipped steps say why)."""
-        try:
-            for r in recs:
-                clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}
-                self.fh.write(json.dumps(clean, allow_nan=False) + "\n")
-            self.fh.flush()
-        except OSError as exc:
-            raise CLIError(f"cannot write the metrics to {self.path}: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        try:
-            self.fh.close()
-        except OSError:  # the error was reported by the write that failed
-            pass
-
-
-def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
-    """Open the metrics file for appending. On resume, records after the checkpoint's step are
-    dropped first (file rule resume-trims-metrics); otherwise it starts empty. A stream (/dev/null, a
-    FIFO) is only appended to (streams). A file that is not a metrics file is refused rather than
-    rewritten (resume-not-metrics): a resume with --metrics notes.txt would have kept only JSON."""
-    if is_stream(path):
-        return open_stream(path)
-    Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)  # (a symbolic link: its target's)
-    if resume_step is None or not path.exists():
-        return open(path, "w", encoding="utf-8")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        refuse("resume-not-metrics", path=path, why="not UTF-8 text")
-    keep = []
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1:  # the last line, torn by a crash
-                continue
-            rec = None
-        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and "type" in rec):
-            refuse("resume-not-metrics", path=path, why=f"line {i + 1} is not one of its records")
-        if rec["step"] <= resume_step:
-            keep.append(line + "\n")
-    write_atomically(path, lambda fh: fh.write("".join(keep)), text=True)
-    return open(path, "a", encoding="utf-8")
-
-
-def open_metrics_file(path: Path, resume_step: Optional[int]) -> MetricsFile:
-    try:
-        return MetricsFile(path, open_metrics(path, resume_step))
-    except OSError as exc:
-        raise CLIError(f"cannot write the metrics to {path}: {exc.strerror or exc}") from None
 
 
 class RunState:
