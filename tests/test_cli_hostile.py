@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vlseq_ext import data, files
-from vlseq_ext.cli import predict
+from vlseq_ext.cli import checks, predict
 from vlseq_ext.cli.config import build_parser
 from vlseq_ext.cli.locks import RunLock
 from vlseq_ext.cli.resolve import resolve
@@ -219,3 +219,17 @@ def test_a_renamed_run_folder_resumes_where_it_is_now(tmp_path, capsys):
     assert rc == 0, err
     assert not old.exists() and sorted(steps(new / "m.jsonl")) == [1, 2, 3]
     assert sorted(os.listdir(new)) == ["curve.svg", "last.pt", "m.jsonl"] or not HAS_MPL
+
+
+def test_a_device_count_that_cannot_fit_is_refused_at_once(trained, tmp_path, capsys, monkeypatch):
+    # --devices cpu:1000000 copied the model for minutes, eating memory, without a word
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", "--devices", "cpu:1000000")
+    one_line_error(rc, err, "--devices cpu:1000000: 1000000 CPU replicas; give 1 to 1024")
+    rc = predict.main(["--checkpoint", str(trained / "run"), "--data", str(trained / "d.npz"), "--out",
+                       str(tmp_path / "p.csv"), "--devices", "cpu:1000000"])
+    assert rc == 2 and "--devices cpu:1000000: 1000000 CPU replicas" in capsys.readouterr().err
+    monkeypatch.setattr(checks, "physical_memory", lambda: 10 ** 7)
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", "--devices", "cpu:1000")
+    one_line_error(rc, err, "--devices cpu:1000: 1000 CPU replicas of a model of 1,481 parameters need about 11.9 MB "
+                            "of memory, this machine has 10.0 MB: give fewer replicas")
+    assert sorted(os.listdir(tmp_path)) == []

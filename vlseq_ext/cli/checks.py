@@ -35,12 +35,25 @@ def physical_memory() -> Optional[int]:
         return None
 
 
-def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "") -> None:
+def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "",
+                     cpu_replicas: int = 1) -> None:
+    """The model fits the parameter limit, and its cpu_replicas copies (weights and gradients each, and
+    Adam's state once) fit in this machine's memory."""
     n = rnn_parameters(rnn, input_dim, hidden, layers, output_dim)
     if n > MAX_PARAMETERS:
         raise CLIError(f"{what or f'--hidden {hidden} --layers {layers}'}: the model would have {n:,} parameters "
                        f"({_gb(4 * n)} of float32 weights, about {_gb(16 * n)} with gradients and Adam's state); "
                        f"the limit is {MAX_PARAMETERS:,}")
+    need, have = 4 * n * (2 * cpu_replicas + 2), physical_memory()
+    if cpu_replicas > 1 and have and need > have:
+        raise CLIError(f"--devices cpu:{cpu_replicas}: {cpu_replicas} CPU replicas of a model of {n:,} parameters "
+                       f"need about {_gb(need)} of memory, this machine has {_gb(have)}: give fewer replicas")
+
+
+def devices_error(spec: str, exc: ValueError) -> CLIError:
+    """parse_devices' error as the --devices flag's (its text starts with "devices '<spec>': ")."""
+    text = str(exc)
+    return CLIError(f"--devices {spec}: {text.split(': ', 1)[1] if text.startswith('devices ') else text}")
 
 
 def check_sizes(config: Any, ckpt: Optional[Dict[str, Any]]) -> None:

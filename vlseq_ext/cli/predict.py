@@ -25,7 +25,7 @@ from ..data import DataError, RaggedDataset, check_file as check_data_file, load
 from ..devices import parse_devices
 from ..files import is_stream, write_atomically
 from .._version import __version__
-from .checks import CLIError, check_file, check_path
+from .checks import CLIError, check_file, check_path, devices_error
 from .file_rules import check_outputs_distinct, check_outputs_replaceable, refuse
 from .reporting import one_line_warnings
 
@@ -208,7 +208,7 @@ def predict(args: argparse.Namespace) -> int:
     try:
         devices = parse_devices(args.devices)
     except ValueError as exc:
-        raise CLIError(f"--devices {args.devices}: {exc}") from None
+        raise devices_error(args.devices, exc) from None
     try:
         ckpt = read_checkpoint(args.checkpoint, need=MODEL_KEYS)
     except FileNotFoundError:

@@ -25,7 +25,7 @@ from ..distributed import ProcessGroup
 from ..training.loop import TrainingLoop
 from ..training.trainer import ParallelTrainer
 from . import file_rules
-from .checks import CLIError, check_model_size
+from .checks import CLIError, check_model_size, devices_error
 from .config import PROG, RunConfig
 from .reporting import RunState
 
@@ -90,7 +90,7 @@ def build_run(config: RunConfig, group: ProcessGroup, resumed_data: Optional[Dic
     try:
         devices = parse_devices(config.devices)
     except ValueError as exc:
-        raise CLIError(f"--devices {config.devices}: {exc}") from None
+        raise devices_error(config.devices, exc) from None
     data, val = _open_data(config, group.rank == 0)
     meta = {"name": data.name, "num_features": data.num_features, "task": data.task, "output_dim": data.output_dim,
             "num_train": len(data), "class_names": data.class_names, "fingerprint": data.fingerprint()}
@@ -98,7 +98,7 @@ def build_run(config: RunConfig, group: ProcessGroup, resumed_data: Optional[Dic
         _check_same_data(data, meta, resumed_data)
     check_model_size(config.model, data.num_features, config.hidden, config.layers, data.output_dim,
                      f"{data.name} ({data.num_features} features, {data.output_dim} outputs) with --hidden "
-                     f"{config.hidden} --layers {config.layers}")
+                     f"{config.hidden} --layers {config.layers}", len(devices) if devices[0].type == "cpu" else 1)
     model = build_model(config.saved(), meta)
     on_gpu = devices[0].type == "cuda"
     if on_gpu:
