@@ -185,8 +185,9 @@ def _train(run: Run, resumed: bool, resized_from: Optional[int]) -> int:
             f"{run.samples_per_step}: the rest of epoch {loop.epoch + 1} ({plural(len(run.sampler), 'step')}) "
             "uses the samples not yet seen, in the same order", file=sys.stderr)
     if loop.done():
+        limits = [(f, v) for f, v in (("--epochs", loop.epochs), ("--max-steps", loop.max_steps)) if v]
         say(f"{PROG}: nothing to do: the run is at step {loop.step} after {plural(loop.epoch, 'epoch')} "
-            f"(--epochs {loop.epochs}, --max-steps {loop.max_steps}); raise --epochs or --max-steps to continue",
+            f"({', '.join(f'{f} {v}' for f, v in limits)}); raise {' or '.join(f for f, _ in limits)} to continue",
             file=sys.stderr)
         return EXIT_OK
 
