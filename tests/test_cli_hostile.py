@@ -127,7 +127,7 @@ def test_vlseq_predict_appends_to_a_stream_without_overwrite(trained, capsys):
     assert rc == 0, capsys.readouterr().err
 
 
-def test_a_live_runs_files_are_its_own(tmp_path, capsys):
+def test_a_live_runs_files_are_its_own(trained, tmp_path, capsys):
     """A live run holds its output files as it holds its folder: another run may not write them, given by
     name or found in the live run's folder, --overwrite or not (before: --metrics on a live run's metrics
     file with --overwrite left it with NUL bytes and mixed records, and the live run could not resume)."""
@@ -140,6 +140,9 @@ def test_a_live_runs_files_are_its_own(tmp_path, capsys):
             rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "other", flag, path,
                              "--overwrite")
             one_line_error(rc, err, f"{flag} {path}: another vlseq-train run is writing this file now")
+        rc = predict.main(["--checkpoint", str(trained / "run"), "--data", str(trained / "d.npz"), "--out",
+                           str(tmp_path / "p.csv"), "--metrics", str(metrics), "--overwrite"])  # (it holds nothing)
+        assert rc == 2 and f"--metrics {metrics}: another vlseq-train run is writing" in capsys.readouterr().err
         assert metrics.read_text() == '{"type": "step", "step": 1}\n' and (live_dir / "loss.png").read_bytes() == b""
     finally:
         live.release()
@@ -233,3 +236,21 @@ def test_a_device_count_that_cannot_fit_is_refused_at_once(trained, tmp_path, ca
     one_line_error(rc, err, "--devices cpu:1000: 1000 CPU replicas of a model of 1,481 parameters need about 11.9 MB "
                             "of memory, this machine has 10.0 MB: give fewer replicas")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_descriptor_that_cannot_be_written_is_refused_up_front(tmp_path, capsys):
+    # a closed one read "--metrics folder /dev/fd: cannot write there"; one open for reading failed in training
+    (tmp_path / "in.txt").write_text("x")
+    reading = os.open(tmp_path / "in.txt", os.O_RDONLY)
+    closed = os.dup(reading)
+    os.close(closed)
+    try:
+        for fd, expect in ((closed, f"descriptor {closed} is not open: open it for writing ({closed}> FILE in the "
+                                    "shell), or give a file name"),
+                           (reading, f"descriptor {reading} is open for reading only")):
+            rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run",
+                             "--metrics", f"/dev/fd/{fd}")
+            one_line_error(rc, err, f"--metrics /dev/fd/{fd}: {expect}")
+    finally:
+        os.close(reading)
+    assert sorted(os.listdir(tmp_path)) == ["in.txt"]

@@ -198,7 +198,7 @@ def _check_sampler(sampler: Any, num_train: Optional[int]) -> Dict[str, Any]:
     n = check_int(sampler.get("num_samples", num_train or 1), "sampler num_samples", 1)
     if num_train is not None and n != num_train:
         raise FieldError(f"sampler num_samples is {n}, the run's data has {num_train} training samples")
-    bs = check_int(sampler.get("batch_size", 1), "sampler batch_size", 1, n)
+    bs = check_int(sampler.get("batch_size", 1), "sampler batch_size", 1)  # (a step may exceed the data)
     check_int(sampler["epoch"], "sampler epoch", 0, 2 ** 31)
     check_int(sampler["position"], "sampler position", 0, -(-n // bs))
     check_int(sampler.get("seed", 0), "sampler seed")
@@ -208,7 +208,7 @@ def _check_sampler(sampler: Any, num_train: Optional[int]) -> Dict[str, Any]:
     for r in resized:
         if not isinstance(r, (list, tuple)) or len(r) != 2:
             raise FieldError("sampler resized holds something other than (step size, steps) pairs")
-        check_int(r[0], "sampler resized step size", 1, n)
+        check_int(r[0], "sampler resized step size", 1)
         check_int(r[1], "sampler resized steps", 0, n)
     return sampler
 

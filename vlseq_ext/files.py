@@ -22,8 +22,8 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Optional, Union
 
-__all__ = ["write_atomically", "is_stream", "is_terminal", "open_stream", "stream_descriptor", "fsync_dir", "new_file_mode",
-           "path_problem"]
+__all__ = ["write_atomically", "is_stream", "is_terminal", "open_stream", "stream_descriptor", "descriptor_problem",
+           "fsync_dir", "new_file_mode", "path_problem"]
 
 PathLike = Union[str, Path]
 _umask_lock = threading.Lock()
@@ -112,6 +112,22 @@ def stream_descriptor(path: PathLike) -> Optional[int]:
     for base in ("/dev/fd/", "/proc/self/fd/"):
         if text.startswith(base) and text[len(base):].isdigit():
             return int(text[len(base):])
+    return None
+
+
+def descriptor_problem(path: PathLike) -> Optional[str]:
+    """Why a descriptor of this process that `path` names cannot be written (not open, or open for
+    reading only), in words to follow it in a message; None when it can, or `path` names none."""
+    fd = stream_descriptor(path)
+    if fd is None:
+        return None
+    try:
+        import fcntl  # (POSIX: the only systems with such paths)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        return f"descriptor {fd} is not open: open it for writing ({fd}> FILE in the shell), or give a file name"
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        return f"descriptor {fd} is open for reading only: give a file name"
     return None
 
 

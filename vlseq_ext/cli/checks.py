@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..checkpoint_fields import MAX_PARAMETERS, rnn_parameters
-from ..files import is_stream, path_problem
+from ..files import descriptor_problem, is_stream, path_problem
 
 # The synthetic set: 36 features, lengths 50..500 (mean 275); building it holds about 3 copies.
 SYNTHETIC_BYTES_PER_SAMPLE = 275 * 36 * 4 * 3
@@ -131,6 +131,9 @@ def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -
     is written through: its target's), its extension one of `formats` (when given). An existing file
     is fine (the caller decides about overwriting)."""
     check_path(path, flag, dangling_ok=True)
+    problem = descriptor_problem(path)
+    if problem:
+        raise CLIError(f"{flag} {path}: {problem}")
     if formats is not None and not is_stream(path):  # (a stream such as /dev/null needs no extension)
         ext = path.suffix.lower().lstrip(".")
         known = sorted(formats)

@@ -10,7 +10,7 @@ from ..files import is_stream
 from . import file_rules
 from .checks import CLIError, missing_dirs, remove_empty_dirs
 
-__all__ = ["RunLock"]
+__all__ = ["RunLock", "check_not_held"]
 
 
 class RunLock:
@@ -104,3 +104,25 @@ class RunLock:
         for made in reversed(self.made):
             remove_empty_dirs(made)
         self.made = []
+
+
+def check_not_held(outputs: Sequence[Tuple[str, Path]]) -> None:
+    """No output is a file a live run holds (live-output), for a command that replaces files without
+    holding them (vlseq-predict): the run would go on writing into the file replaced."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    for flag, path in outputs:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (O_NONBLOCK: a FIFO opens at once)
+        except OSError:
+            continue  # not there (or not readable): nothing held
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file_rules.refuse("live-output", flag=flag, path=path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

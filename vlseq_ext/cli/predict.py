@@ -27,6 +27,7 @@ from ..files import is_stream, write_atomically
 from .._version import __version__
 from .checks import CLIError, check_file, check_path, devices_error
 from .file_rules import check_outputs_distinct, check_outputs_replaceable, refuse
+from .locks import check_not_held
 from .reporting import one_line_warnings
 
 PROG = "vlseq-predict"
@@ -92,6 +93,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     check_outputs_distinct(paths, [("--data", Path(args.data))]
                            + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
     check_outputs_replaceable(paths)
+    check_not_held(paths)
     for flag, path in paths:
         if path.exists() and not args.overwrite and not is_stream(path):  # (a stream is appended to)
             refuse("predict-outputs", flag=flag, path=path)
