@@ -236,6 +236,13 @@ FIELD_DAMAGE = {
                          "optimizer state 0 has the unknown key 'momentum'"),
     "adam_params": (_set("optimizer", "param_groups", 0, "params", [0, 1]), "resume",
                     "param_groups[0] params is not the model's 6 parameters"),
+    "adam_eps_huge": (_set("optimizer", "param_groups", 0, "eps", 2 ** 70), "resume",
+                      "optimizer eps is 1180591620717411303424, but vlseq-train's Adam has 1e-08"),
+    "adam_amsgrad": (_set("optimizer", "param_groups", 0, "amsgrad", torch.zeros(2)), "resume",
+                     "optimizer amsgrad is tensor"),
+    "adam_state_missing": (lambda c: c["optimizer"]["state"].pop(3), "resume",
+                           "optimizer state covers 5 of the model's 6 parameters"),
+    "rng_cuda": (_set("rng", "cuda", torch.zeros(2, 3)), "resume", "rng cuda is not a list"),
     "rng_torch": (_set("rng", "torch", torch.zeros(7, dtype=torch.uint8)), "resume", "rng torch has the shape (7,)"),
     "rng_python": (_set("rng", "python", "state", torch.full((625,), 2 ** 40)), "resume",
                    "rng python state holds values outside"),
@@ -246,6 +253,7 @@ FIELD_DAMAGE = {
     "run_history": (_set("run", "history", "loss", ["low"]), "train", "run history loss holds a str"),
     "config_lr": (_set("config", "lr", "fast"), "train", "its saved run: --lr must be a number, got 'fast'"),
     "config_reduction": (_set("config", "reduction", "median"), "train", "--reduction must be one of mean, sum"),
+    "config_clip": (_set("config", "clip_grad", 2 ** 70), "train", "--clip-grad must be a number or nothing, got 1180"),
 }
 
 

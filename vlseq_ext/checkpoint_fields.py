@@ -101,7 +101,7 @@ def check_model_fields(cfg: Any, data: Any) -> None:
     parameter count below MAX_PARAMETERS), task and class names."""
     check_dict(cfg, "config", required=("model", "hidden", "layers"))
     check_dict(data, "data", required=("num_features", "output_dim", "task"))
-    if cfg["model"] not in ("lstm", "gru"):
+    if not isinstance(cfg["model"], str) or cfg["model"] not in ("lstm", "gru"):
         raise FieldError(f"config model is {cfg['model']!r}, not 'lstm' or 'gru'")
     hidden, layers = check_int(cfg["hidden"], "config hidden", 1), check_int(cfg["layers"], "config layers", 1)
     features = check_int(data["num_features"], "data num_features", 1)
@@ -111,7 +111,7 @@ def check_model_fields(cfg: Any, data: Any) -> None:
         raise FieldError(f"config describes a model of {n:,} parameters ({cfg['model']}, hidden {hidden}, layers "
                          f"{layers}, {features} features, {outputs} outputs); vlseq-train builds at most "
                          f"{MAX_PARAMETERS:,}")
-    if data["task"] not in TASKS:
+    if not isinstance(data["task"], str) or data["task"] not in TASKS:
         raise FieldError(f"data task is {data['task']!r}, not one of {', '.join(TASKS)}")
     names = data.get("class_names")
     if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(c, str) for c in names)
@@ -151,7 +151,7 @@ def check_training_fields(ckpt: Dict[str, Any], param_shapes: List[Tuple[int, ..
         check_dict(loop, "loop", ("step", "epoch", "position", "sampler"), ("step",))
         check_int(loop["step"], "loop step")
         for k in ("epoch", "position"):
-            if k in loop and loop[k] != sampler[k]:
+            if k in loop and check_int(loop[k], f"loop {k}") != sampler[k]:
                 raise FieldError(f"loop {k} is {loop[k]}, the sampler's is {sampler[k]}")
     run = check_dict(ckpt["run"], "run", required=("step",))
     step = check_int(run["step"], "run step")
@@ -165,20 +165,30 @@ def _check_adam(opt: Any, shapes: List[Tuple[int, ...]]) -> None:
     groups = opt["param_groups"]
     if not isinstance(groups, list) or len(groups) != 1:
         raise FieldError("optimizer param_groups is not the one group of Adam over the model's parameters")
-    group = check_dict(groups[0], "optimizer param_groups[0]", required=("params", "betas", "eps", "lr"))
+    group = check_dict(groups[0], "optimizer param_groups[0]", required=("params", "lr"))
     params = group["params"]
-    if not isinstance(params, (list, tuple)) or list(params) != list(range(len(shapes))):
+    if not isinstance(params, (list, tuple)) or [type(i) for i in params] != [int] * len(shapes) or \
+            list(params) != list(range(len(shapes))):
         raise FieldError(f"optimizer param_groups[0] params is not the model's {len(shapes)} parameters")
-    check_number(group["lr"], "optimizer lr", 0)
-    check_number(group["eps"], "optimizer eps", 0)
-    check_number(group.get("weight_decay", 0), "optimizer weight_decay", 0)
-    betas = group["betas"]
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise FieldError("optimizer betas is not a pair of numbers")
-    for b in betas:
-        check_number(b, "optimizer betas", 0, 1)
-    amsgrad = bool(group.get("amsgrad", False))
+    check_number(group["lr"], "optimizer lr", 0, 2 ** 53)  # (the run's --lr replaces it)
+    built = torch.optim.Adam([torch.zeros(1)]).defaults  # what vlseq-train builds: Adam(lr=..., fused=on a GPU)
+    for k, v in group.items():
+        if k in ("params", "lr"):
+            continue
+        if k in ("foreach", "fused"):
+            ok = v is None or isinstance(v, bool)
+        elif k in built:
+            want = built[k]
+            ok = type(v) in (type(want), list if isinstance(want, tuple) else type(want)) and \
+                (tuple(v) if isinstance(want, tuple) else v) == want
+        else:  # an option of another torch version's Adam
+            ok = v is None or isinstance(v, (bool, int, float, str))
+        if not ok:
+            raise FieldError(f"optimizer {k} is {v!r}, but vlseq-train's Adam has {built.get(k)!r}")
+    amsgrad = built.get("amsgrad", False)
     state = check_dict(opt["state"], "optimizer state")
+    if state and len(state) != len(shapes):  # (every parameter gets a gradient, so a state, at the first step)
+        raise FieldError(f"optimizer state covers {len(state)} of the model's {len(shapes)} parameters")
     for i, entry in state.items():
         where = f"optimizer state {i!r}"
         if not isinstance(i, int) or not 0 <= i < len(shapes):
@@ -229,7 +239,7 @@ def _check_rng(rng: Any) -> None:
     check_int(nps["has_gauss"], "rng numpy has_gauss", 0, 1)
     check_number(nps["cached_gaussian"], "rng numpy cached_gaussian")
     _tensor(rng["torch"], "rng torch", tuple(torch.get_rng_state().shape), (torch.uint8,))
-    cuda = rng.get("cuda") or []
+    cuda = rng.get("cuda", [])
     if not isinstance(cuda, list):
         raise FieldError("rng cuda is not a list")
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0

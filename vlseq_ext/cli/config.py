@@ -178,7 +178,9 @@ def _has_type(value: Any, annotation: str) -> bool:
         return optional
     if isinstance(value, bool):
         return base == "bool"
-    return isinstance(value, {"int": int, "float": (int, float), "str": str, "bool": bool}[base])
+    if base == "float" and isinstance(value, int):
+        return abs(value) <= 2 ** 53  # (a larger int is no float torch takes)
+    return isinstance(value, {"int": int, "float": float, "str": str, "bool": bool}[base])
 
 
 def flag(name: str) -> str:
