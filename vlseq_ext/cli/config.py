@@ -40,6 +40,14 @@ def _finite_positive(optional: bool = False) -> Check:
     return (lambda v: (optional and v is None) or (math.isfinite(v) and v > 0)), "a finite number > 0"
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_positive() -> Check:
+    """A number the float32 weights' optimizer can hold (--lr 1e300 overflowed in the first step)."""
+    return (lambda v: 0 < v <= FLOAT32_MAX), "a number > 0 that float32 holds (at most 3.4e+38)"
+
+
 def option(default: Any, group: str, help: str, *, metavar: Optional[str] = None, choices: Optional[List[str]] = None,
            check: Optional[Check] = None, fixed: bool = False, trainer: Optional[str] = None,
            flag_value: Optional[Callable[[Any], Any]] = None) -> Any:
@@ -84,7 +92,7 @@ class RunConfig:
                                    "only --max-steps is given)", metavar="N", check=_none_or_at_least(1))
     max_steps: Optional[int] = option(None, "training", "stop after N optimizer steps in total", metavar="N",
                                       check=_none_or_at_least(1))
-    lr: float = option(1e-3, "training", "Adam learning rate (default: {default})", check=_finite_positive())
+    lr: float = option(1e-3, "training", "Adam learning rate (default: {default})", check=_float32_positive())
     reduction: str = option("mean", "training", "step loss: mean or sum (the seed's) of the per-sample losses "
                             "(default: {default})", choices=["mean", "sum"], trainer="reduction")
     clip_grad: Optional[float] = option(None, "training", "clip the global gradient L2 norm to NORM", metavar="NORM",
