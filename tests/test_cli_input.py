@@ -119,7 +119,7 @@ def test_resume_on_other_data_of_the_same_size_is_refused(tmp_path, capsys):
     (["--lr", "nan"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got nan"),
     (["--lr", "0"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got 0.0"),
     (["--lr", "1e300"], "--lr must be a number > 0 that float32 holds"),  # (overflowed in the first step)
-    (["--lr=-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+    (["--lr=-1e-3"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got -0.001"),
     (["--clip-grad", "nan"], "--clip-grad must be a finite number > 0, got nan"),
     (["--clip-grad", "inf"], "--clip-grad must be a finite number > 0, got inf"),
     (["--clip-grad", "0"], "--clip-grad must be a finite number > 0"),
