@@ -254,3 +254,13 @@ def test_a_descriptor_that_cannot_be_written_is_refused_up_front(tmp_path, capsy
     finally:
         os.close(reading)
     assert sorted(os.listdir(tmp_path)) == ["in.txt"]
+
+
+def test_a_name_with_a_newline_or_an_escape_stays_on_one_line(trained, tmp_path, capsys):
+    # the refusal of such a path printed it raw: two lines, or a terminal escape sequence
+    name = str(tmp_path / "d\n\x1b[31m.npz")
+    rc, _, err = run(capsys, *SMALL, "--data", name, "--checkpoint-dir", tmp_path / "run")
+    one_line_error(rc, err, f"{tmp_path}/d\\n\\x1b[31m.npz: no such file")
+    rc = predict.main(["--checkpoint", str(trained / "run"), "--data", name, "--out", str(tmp_path / "p.csv")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "\x1b" not in err and "d\\n\\x1b[31m.npz" in err, err

@@ -21,6 +21,12 @@ class CLIError(Exception):
     """A usage or configuration problem: printed as one line, exit code 2."""
 
 
+def one_line(text: object) -> str:
+    """`text` as one line: a control character (a newline in a file name, an escape sequence) or a
+    surrogate of a name that is not UTF-8 is written as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def _gb(n: float) -> str:
     for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9)):
         if n >= scale:

@@ -25,7 +25,7 @@ from ..data import DataError, RaggedDataset, check_file as check_data_file, load
 from ..devices import parse_devices
 from ..files import is_stream, write_atomically
 from .._version import __version__
-from .checks import CLIError, check_file, check_path, devices_error
+from .checks import CLIError, check_file, check_path, devices_error, one_line
 from .file_rules import check_outputs_distinct, check_outputs_replaceable, refuse
 from .locks import check_not_held
 from .reporting import one_line_warnings
@@ -253,10 +253,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with one_line_warnings(PROG):
             return predict(args)
     except CLIError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except DataError as exc:
-        print(f"{PROG}: error: {exc.with_hint(DATA_HINTS)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc.with_hint(DATA_HINTS))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: {args.out} was not written", file=sys.stderr)

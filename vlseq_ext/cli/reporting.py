@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..checkpoint_fields import FieldError, check_dict, check_int, check_number
 from ..files import write_atomically
+from .checks import one_line
 from .metrics import MetricsFile
 
 
@@ -25,7 +26,7 @@ def one_line_warnings(prog: str) -> Iterator[None]:
     """Warnings (data that rounds, a slow plan) as one line each, "<prog>: warning: ...", instead of
     Python's file:line form with a source line under it."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
-        print(f"{prog}: warning: {message}", file=sys.stderr)
+        print(f"{prog}: warning: {one_line(message)}", file=sys.stderr)
 
     with warnings.catch_warnings():
         warnings.showwarning = show

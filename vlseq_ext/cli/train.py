@@ -31,7 +31,7 @@ from .. import distributed, env
 from ..data import BUILTIN, DataError
 from ..distributed import DistributedError, ProcessGroup
 from .callbacks import CLICallbacks, stop_on_signals
-from .checks import CLIError
+from .checks import CLIError, one_line
 from .config import PROG, build_parser
 from .metrics import MetricsFile, open_metrics_file
 from .reporting import Reporter, describe_model, format_summary, matplotlib_available, one_line_warnings, plural, \
@@ -64,12 +64,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with deterministic_mode(resolved.config.deterministic), cpu_threads():
                 return train(resolved, group)
     except (DataError, CLIError) as exc:
-        print(f"{PROG}: {f'[rank {group.rank}] ' if group.rank else ''}error: {message(exc)}", file=sys.stderr)
+        print(f"{PROG}: {f'[rank {group.rank}] ' if group.rank else ''}error: {one_line(message(exc))}",
+              file=sys.stderr)
         return EXIT_USAGE
     except _PeerFailed:
         return EXIT_USAGE
     except DistributedError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # before training started (train() reports one that comes later)
         print(f"{PROG}: interrupted before training started: no checkpoint was written", file=sys.stderr)
