@@ -264,3 +264,20 @@ def test_a_name_with_a_newline_or_an_escape_stays_on_one_line(trained, tmp_path,
     rc = predict.main(["--checkpoint", str(trained / "run"), "--data", name, "--out", str(tmp_path / "p.csv")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "\x1b" not in err and "d\\n\\x1b[31m.npz" in err, err
+
+
+def test_a_link_never_leads_a_run_into_another_runs_files(trained, tmp_path, capsys):
+    """A last.pt that links to another run's checkpoint was written through by the resume, into a folder
+    the run does not hold; a metrics.jsonl linking to another run's metrics was rewritten under --overwrite."""
+    other = trained / "run"
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    (tmp_path / "R").mkdir()
+    (tmp_path / "R" / "last.pt").symlink_to(other / "last.pt")
+    rc, _, err = run(capsys, "--resume", tmp_path / "R", "--max-steps", 3)
+    one_line_error(rc, err, f"--checkpoint-dir {tmp_path / 'R'}: last.pt there is a symbolic link (to {other}",
+                   "replace the link by a copy")
+    (tmp_path / "M").mkdir()
+    (tmp_path / "M" / "metrics.jsonl").symlink_to(other / "metrics.jsonl")
+    rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "M", "--overwrite")
+    one_line_error(rc, err, f"is the metrics file of the run in {other}")
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before

@@ -118,7 +118,8 @@ RULES: Dict[str, Rule] = _rules(
          "another {flag} file"),
     Rule("another-runs-output", "an output of either command is the metrics.jsonl or loss.png of a folder that holds "
          "another run's checkpoint", "refused, --overwrite or not: that run resumes into it",
-         ("test_no_output_replaces_a_checkpoint_and_no_advice_leads_there",),
+         ("test_no_output_replaces_a_checkpoint_and_no_advice_leads_there",
+          "test_a_link_never_leads_a_run_into_another_runs_files"),
          "{flag} {path} is the {name} file of the run in {dir}, which resumes into it (not even --overwrite replaces "
          "it): choose another {flag} file"),
     Rule("streams", "an output that is a stream (/dev/null, a FIFO, /dev/stdout)",
@@ -134,10 +135,13 @@ RULES: Dict[str, Rule] = _rules(
          "--plot {path} is a terminal, and a {fmt} plot is binary: redirect it to a file, or give --plot a file "
          "name"),
     Rule("writable-up-front", "an output that cannot be written (a file as the folder, a folder as the file, no "
-         "permission, a plot extension matplotlib lacks, a symbolic link loop)", "refused before training",
+         "permission, a plot extension matplotlib lacks, a symbolic link loop, a closed descriptor), or a last.pt "
+         "that is a symbolic link (the run writes its checkpoint in the folder it holds)", "refused before training",
          ("test_impossible_output_paths_are_refused_before_training",
           "test_a_symbolic_link_loop_as_an_output_is_one_line",
-          "test_a_checkpoint_path_that_is_a_folder_is_refused_before_training")),
+          "test_a_checkpoint_path_that_is_a_folder_is_refused_before_training",
+          "test_a_descriptor_that_cannot_be_written_is_refused_up_front",
+          "test_a_link_never_leads_a_run_into_another_runs_files")),
     Rule("default-run-folder", "no --checkpoint-dir",
          "the run claims its own runs/vlseq-<date>-<time>[-N] with mkdir (runs started in the same second too); "
          "a folder the run made and left empty is removed",
@@ -232,11 +236,12 @@ def check_outputs_replaceable(outputs: Sequence[Tuple[str, Path]], run_dir: Opti
     for flag, path in outputs:
         if holds_checkpoint(path):
             refuse("output-is-a-checkpoint", flag=flag, path=path)
-        folder = path.parent
-        if path.name in OUTPUT_NAMES.values() and (folder / CHECKPOINT_NAME).is_file() and \
-                not (run_dir is not None and same_file(folder, run_dir)):
-            name = "metrics" if path.name == OUTPUT_NAMES["--metrics"] else "plot"
-            refuse("another-runs-output", flag=flag, path=path, name=name, dir=folder)
+        for where in {path, Path(os.path.realpath(path))}:  # (a symbolic link: where it points too)
+            folder = where.parent
+            if where.name in OUTPUT_NAMES.values() and (folder / CHECKPOINT_NAME).is_file() and \
+                    not (run_dir is not None and same_file(folder, run_dir)):
+                name = "metrics" if where.name == OUTPUT_NAMES["--metrics"] else "plot"
+                refuse("another-runs-output", flag=flag, path=path, name=name, dir=folder)
 
 
 def check_output_paths(config: Any, resumed: Optional[Path] = None) -> None:
@@ -245,6 +250,10 @@ def check_output_paths(config: Any, resumed: Optional[Path] = None) -> None:
     run_dir, metrics, plot = Path(config.checkpoint_dir), Path(config.metrics), Path(config.plot)
     check_dir(run_dir, "--checkpoint-dir")
     check_file(run_dir / CHECKPOINT_NAME, "--checkpoint-dir")  # (not a directory: found late)
+    if (run_dir / CHECKPOINT_NAME).is_symlink():  # written through, it would land outside the folder the run holds
+        raise CLIError(f"--checkpoint-dir {run_dir}: {CHECKPOINT_NAME} there is a symbolic link (to "
+                       f"{os.readlink(run_dir / CHECKPOINT_NAME)}); a run writes its checkpoint in its own folder: "
+                       "replace the link by a copy, or choose another --checkpoint-dir")
     check_file(metrics, "--metrics")
     check_file(plot, "--plot", plot_formats())
     fmt = plot.suffix.lower().lstrip(".") or "png"  # (the format write_plot uses)
