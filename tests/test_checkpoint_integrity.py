@@ -206,3 +206,84 @@ def test_a_checkpoint_of_version_0_2_0_resumes_exactly(tmp_path, capsys, monkeyp
     saved = read_checkpoint(run_dir)
     assert saved["run"]["step"] == 12 and saved["config"]["run_id"] == torch.load(
         OLD / "last.pt", weights_only=True)["config"]["run_id"]  # still the same run
+
+
+def _set(*path_and_value):
+    """A damage: the checkpoint's entry at path (keys) set to value."""
+    *path, key, value = path_and_value
+
+    def damage(ckpt):
+        entry = ckpt
+        for k in path:
+            entry = entry[k]
+        entry[key] = value
+    return damage
+
+
+# (damage, what it breaks: "model" (every reader), "resume" (read_checkpoint for a resume) or "train" (what
+# vlseq-train alone reads: its options, its history), the message's words)
+FIELD_DAMAGE = {
+    "huge_hidden": (_set("config", "hidden", 2 ** 40), "model", "config describes a model of 4,835,"),
+    "huge_layers": (_set("config", "layers", 10 ** 15), "model", "vlseq-train builds at most 2,147,483,648"),
+    "hidden_as_text": (_set("config", "hidden", "8"), "model", "config hidden is a str, not an integer"),
+    "no_features": (_set("data", "num_features", 0), "model", "data num_features is 0, outside [1, "),
+    "unknown_task": (_set("data", "task", "ranking"), "model", "data task is 'ranking'"),
+    "moment_shape": (_set("optimizer", "state", 0, "exp_avg", torch.zeros(3)), "resume",
+                     "optimizer state 0 exp_avg has the shape (3,), the run's is (32, 5)"),
+    "adam_step_nan": (_set("optimizer", "state", 0, "step", torch.tensor(float("nan"))), "resume",
+                      "optimizer state 0 step is nan"),
+    "adam_unknown_key": (_set("optimizer", "state", 0, "momentum", torch.zeros(1)), "resume",
+                         "optimizer state 0 has the unknown key 'momentum'"),
+    "adam_params": (_set("optimizer", "param_groups", 0, "params", [0, 1]), "resume",
+                    "param_groups[0] params is not the model's 6 parameters"),
+    "adam_eps_huge": (_set("optimizer", "param_groups", 0, "eps", 2 ** 70), "resume",
+                      "optimizer eps is 1180591620717411303424, but vlseq-train's Adam has 1e-08"),
+    "adam_amsgrad": (_set("optimizer", "param_groups", 0, "amsgrad", torch.zeros(2)), "resume",
+                     "optimizer amsgrad is tensor"),
+    "adam_state_missing": (lambda c: c["optimizer"]["state"].pop(3), "resume",
+                           "optimizer state covers 5 of the model's 6 parameters"),
+    "rng_cuda": (_set("rng", "cuda", torch.zeros(2, 3)), "resume", "rng cuda is not a list"),
+    "rng_torch": (_set("rng", "torch", torch.zeros(7, dtype=torch.uint8)), "resume", "rng torch has the shape (7,)"),
+    "rng_python": (_set("rng", "python", "state", torch.full((625,), 2 ** 40)), "resume",
+                   "rng python state holds values outside"),
+    "trainer_step": (_set("trainer", "global_step", -1), "resume", "trainer global_step is -1"),
+    "trainer_window": (_set("trainer", "micro_step", 2), "resume", "trainer micro_step is 2"),
+    "sampler_position": (_set("sampler", "position", 10 ** 9), "resume", "sampler position is 1000000000"),
+    "loop_step": (_set("loop", "step", "two"), "resume", "loop step is a str"),
+    "run_history": (_set("run", "history", "loss", ["low"]), "train", "run history loss holds a str"),
+    "config_lr": (_set("config", "lr", "fast"), "train", "its saved run: --lr must be a number, got 'fast'"),
+    "config_reduction": (_set("config", "reduction", "median"), "train", "--reduction must be one of mean, sum"),
+    "config_clip": (_set("config", "clip_grad", 2 ** 70), "train", "--clip-grad must be a number or nothing, got 1180"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIELD_DAMAGE))
+def test_every_checkpoint_field_is_checked_before_anything_is_built(trained, tmp_path, capsys, case):
+    """A checkpoint whose zip is whole but one field is not what the run builds (a size that would
+    overflow an allocation, a moment of another shape, an RNG state of another generator...): every
+    reader that needs the field refuses it in one line naming it, and a resume creates and trains
+    nothing (before, some failed only at the first step, after the metrics were written)."""
+    damage, breaks, words = FIELD_DAMAGE[case]
+    ckpt = torch.load(trained / "run" / "last.pt", weights_only=True)
+    damage(ckpt)
+    bad = tmp_path / "run" / "last.pt"
+    bad.parent.mkdir()
+    torch.save(ckpt, bad)
+    readers = {"model": [read_checkpoint, lambda p: read_checkpoint(p, need=checkpoint.MODEL_KEYS), load_model],
+               "resume": [read_checkpoint], "train": []}[breaks]
+    for load in readers:
+        with pytest.raises(CheckpointError) as info:
+            load(bad)
+        assert words in str(info.value) and "\n" not in str(info.value), info.value
+    rc = predict.main(["--checkpoint", str(bad), "--data", str(trained / "new.npz"), "--out", str(tmp_path / "p.npy"),
+                       "--quiet"])
+    _, err = capsys.readouterr()
+    if breaks == "model":
+        assert rc == 2 and words in err and err.count("\n") == 1 and not (tmp_path / "p.npy").exists(), err
+    else:
+        assert rc == 0, err
+    before = bad.read_bytes()
+    rc = cli.main(["--resume", str(bad.parent), "--max-steps", "4", "--data", str(trained / "train.npz")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert bad.read_bytes() == before and sorted(p.name for p in bad.parent.iterdir()) == ["last.pt"]

@@ -72,7 +72,7 @@ def test_resume_repeats_the_uninterrupted_losses_exactly(tmp_path, capsys):
     assert [[r[k] for k in key] for r in ea] == [[r[k] for k in key] for r in eb] and len(ea) == 1
     # a finished run has nothing left to do
     rc, _, err = run(capsys, "--resume", tmp_path / "b")
-    assert rc == 0 and "nothing to do" in err
+    assert rc == 0 and "nothing to do: the run is at step 40 after 1 epoch (--max-steps 40); raise --max-steps" in err
 
 
 def test_checkpoint_is_atomic_and_loads_weights_only(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 from vlseq_ext import checkpoint, data
 from vlseq_ext.cli.config import build_parser
-from vlseq_ext.cli.reporting import open_metrics
+from vlseq_ext.cli.metrics import open_metrics
 from vlseq_ext.cli.resolve import resolve
 
 from cli_helpers import HAS_MPL, SMALL, needs_mpl, one_line_error, run, snapshot, steps
@@ -43,9 +43,10 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(tmp_path, capsys):
     (tmp_path / "m" / "metrics.jsonl").write_bytes(before["metrics.jsonl"])
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "m")
     one_line_error(rc, err, "holds the outputs of a run that saved no checkpoint", "nothing to resume", "--overwrite")
+    (tmp_path / "m.jsonl").write_bytes(before["metrics.jsonl"])
     rc, _, err = run(capsys, *SMALL, "--max-steps", 2, "--checkpoint-dir", tmp_path / "new",
-                     "--metrics", run_dir / "metrics.jsonl")
-    one_line_error(rc, err, f"--metrics {run_dir / 'metrics.jsonl'} already exists", "--overwrite")
+                     "--metrics", tmp_path / "m.jsonl")
+    one_line_error(rc, err, f"--metrics {tmp_path / 'm.jsonl'} already exists", "--overwrite")
     assert snapshot(run_dir) == before and not (tmp_path / "new").exists()
     rc, _, err = run(capsys, "--resume", run_dir, "--overwrite")
     one_line_error(rc, err, "--overwrite starts a new run and --resume continues one")
@@ -199,12 +200,12 @@ def test_forks_are_runs_of_their_own(tmp_path, capsys):
 def test_a_resume_never_wipes_another_runs_metrics(tmp_path, capsys):
     a, b = tmp_path / "A", tmp_path / "B"
     for d in (a, b):
-        rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", d)
+        rc, _, err = run(capsys, *SMALL, "--max-steps", 3, "--checkpoint-dir", d, "--metrics", d.with_suffix(".jsonl"))
         assert rc == 0, err
-    before = (b / "metrics.jsonl").read_bytes()
-    rc, _, err = run(capsys, "--resume", a, "--max-steps", 4, "--metrics", b / "metrics.jsonl")
-    one_line_error(rc, err, f"--metrics {b / 'metrics.jsonl'} already exists and is not this run's metrics file")
-    assert (b / "metrics.jsonl").read_bytes() == before
+    before = b.with_suffix(".jsonl").read_bytes()
+    rc, _, err = run(capsys, "--resume", a, "--max-steps", 4, "--metrics", b.with_suffix(".jsonl"))
+    one_line_error(rc, err, f"--metrics {b.with_suffix('.jsonl')} already exists and is not this run's metrics file")
+    assert b.with_suffix(".jsonl").read_bytes() == before
 
 
 def test_explicit_outputs_are_found_again_from_another_folder(tmp_path, capsys, monkeypatch):
@@ -314,14 +315,13 @@ def test_impossible_output_paths_are_refused_before_training(tmp_path, capsys, c
 
 def test_a_run_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     """The same folder twice at once: a second run (with --overwrite too) stops before touching it."""
-    from vlseq_ext.cli.run import RunFolderLock
-    live = RunFolderLock(tmp_path / "run")  # another run holds the folder (a separate open file: flock conflicts)
+    from vlseq_ext.cli.locks import RunLock
+    live = RunLock(tmp_path / "run")  # another run holds the folder (a separate open file: flock conflicts)
     (tmp_path / "run" / "metrics.jsonl").write_text("the live run's\n")
     try:
-        for extra, expect in (([], "holds the outputs of a run that saved no checkpoint"),
-                              (["--overwrite"], "another vlseq-train run is using this folder now")):
+        for extra in ([], ["--overwrite"]):  # (the lock comes first: what a live run's files hold may change)
             rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", *extra)
-            one_line_error(rc, err, expect)
+            one_line_error(rc, err, "another vlseq-train run is using this folder now")
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
         assert (tmp_path / "run" / "metrics.jsonl").read_text() == "the live run's\n"
     finally:

@@ -81,7 +81,12 @@ def test_resume_with_other_feature_count_and_bad_devices(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and str(other) in err
     assert "4 features per step, but the checkpoint's model was trained on 36" in err
     rc, _, err = run(capsys, "--resume", tmp_path / "run", "--hidden", 16)
-    assert rc == 2 and "--hidden 16 differs from the checkpoint's 8" in err
+    one_line_error(rc, err, "--hidden 16: the resumed run has --hidden 8", "leave out --hidden")
+    # a task the run inferred from its data: a script that always passes --task resumes it
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--task", "classification")
+    one_line_error(rc, err, "the resumed run has --task regression (inferred from its data)", "leave out --task")
+    rc, _, err = run(capsys, "--resume", tmp_path / "run", "--task", "regression", "--max-steps", 3)
+    assert rc == 0 and "resuming at step 2" in err, err
     rc, _, err = run(capsys, "--resume", tmp_path / "nothing-here")
     assert rc == 2 and "no checkpoint there" in err
     n = torch.cuda.device_count()
@@ -110,10 +115,11 @@ def test_resume_on_other_data_of_the_same_size_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
-    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
-    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
-    (["--lr=-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+    (["--lr", "inf"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got inf"),
+    (["--lr", "nan"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got nan"),
+    (["--lr", "0"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got 0.0"),
+    (["--lr", "1e300"], "--lr must be a number > 0 that float32 holds"),  # (overflowed in the first step)
+    (["--lr=-1e-3"], "--lr must be a number > 0 that float32 holds (at most 3.4e+38), got -0.001"),
     (["--clip-grad", "nan"], "--clip-grad must be a finite number > 0, got nan"),
     (["--clip-grad", "inf"], "--clip-grad must be a finite number > 0, got inf"),
     (["--clip-grad", "0"], "--clip-grad must be a finite number > 0"),
@@ -132,6 +138,8 @@ def test_resume_on_other_data_of_the_same_size_is_refused(tmp_path, capsys):
     (["--seed", "-1"], "--seed must be in [0, 2**63)"),
     (["--hidden", "10000000"], "--hidden 10000000 --layers 1: the model would have 400,001,530,000,001 parameters"),
     (["--hidden", "20000", "--layers", "2"], "the limit is 2,147,483,648"),
+    # counted in closed form: a loop over the layers took hours
+    (["--layers", str(10 ** 15)], "the model would have 576,000,000,000,000,905 parameters"),
     (["--synthetic-samples", str(10 ** 12)], "--synthetic-samples 1000000000000: building the synthetic set needs "
                                              "about 118.8 PB of memory"),
 ])

@@ -48,7 +48,10 @@ def test_torchrun_share(two_gpus, monkeypatch):
     ("cuda:2", r"cuda:2 does not exist \(visible GPUs: cuda:0, cuda:1\)"),
     ("cuda:0,cuda:0", r"cuda:0 is listed twice"),
     ("cpu,cuda:0", r"mixes CPU and CUDA"),
-    ("cpu:0", r"at least one CPU replica"),
+    ("cpu:0", r"0 CPU replicas; give 1 to 1024"),
+    # cpu:<huge> copied the model for minutes, eating memory, without a word
+    ("cpu:1000000", r"^devices 'cpu:1000000': 1000000 CPU replicas; give 1 to 1024 \(they run one after another"),
+    ("cpu:2,cpu:3", r"cpu:2 in a list; cpu:N alone gives N CPU replicas, a list takes cpu \(cpu,cpu\)"),
     ("tpu", r"cannot parse 'tpu'"),
     ("mps", r"only CUDA and CPU devices"),
     (True, r"expected all, N"),

@@ -230,3 +230,36 @@ def test_fit_records_an_epoch_cut_short_by_max_steps():
     hist = fit(FakeTrainer(), data, epochs=3, max_steps=7)  # steps of 2: 5 per epoch
     assert [(h["epoch"], h["steps"], h["samples"]) for h in hist] == [(0, 5, 10), (1, 2, 4)]
     assert all(h["loss"] == 1.0 for h in hist)  # FakeTrainer's mean loss is 1 per sample
+
+
+def test_fit_says_when_an_iterator_cannot_give_a_second_epoch():
+    # fit(generator, epochs=2) trained one epoch and said nothing
+    data, _ = items(6)
+    with pytest.raises(ValueError, match=r"fit: data is an iterator \(generator\), which gives its samples once, "
+                                         r"so it cannot give epoch 2 of 2"):
+        fit(FakeTrainer(), (d for d in data), epochs=2)
+    assert len(fit(FakeTrainer(), (d for d in data), epochs=1)) == 1
+
+    class Once:  # an iterator of its own
+        def __init__(self):
+            self.it = iter(data)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.it)
+
+    class ReadOnce:  # iterable, but empty once read
+        def __init__(self):
+            self.left = list(data)
+
+        def __iter__(self):
+            left, self.left = self.left, []
+            return iter(left)
+
+    with pytest.raises(ValueError, match="fit: data is an iterator"):
+        fit(FakeTrainer(), Once(), epochs=3)
+    with pytest.raises(ValueError, match=r"epoch 2: the data gave no samples, after 3 steps of earlier epochs"):
+        fit(FakeTrainer(), ReadOnce(), epochs=2)
+    assert [h["steps"] for h in fit(FakeTrainer(), data, epochs=2)] == [3, 3]  # a list gives every epoch

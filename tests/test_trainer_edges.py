@@ -298,3 +298,42 @@ def test_evaluate_refuses_a_tensor_as_step_does():
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2")
     with pytest.raises(ValueError, match="evaluate: samples must be a list"):
         trainer.evaluate(torch.randn(4, 5, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# weights written into the master behind the trainer's back
+# ---------------------------------------------------------------------------------------------
+
+
+def test_weights_loaded_into_the_master_later_reach_every_replica():
+    # model.load_state_dict() after a multi-device trainer was built: the next gradient mixed the replicas'
+    # old weights with the master's new ones, silently
+    gen = torch.Generator().manual_seed(0)
+    model, loaded = SeqModel(input_dim=3, hidden_dim=4), SeqModel(input_dim=3, hidden_dim=4)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2",
+                              samples_per_device=2)
+    trainer.step(*batch(4, gen))
+    model.load_state_dict(loaded.state_dict())
+    xs, ys = batch(4, gen)
+    trainer.compute_gradients(xs, ys)
+    sum(nn.MSELoss()(loaded(x), y.reshape(1, -1)) for x, y in zip(xs, ys)).backward()
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    with torch.no_grad():  # any in-place write, not only load_state_dict
+        model.fc.weight.mul_(2)
+        loaded.fc.weight.mul_(2)
+    loaded.zero_grad()
+    trainer.compute_gradients(xs, ys)
+    sum(nn.MSELoss()(loaded(x), y.reshape(1, -1)) for x, y in zip(xs, ys)).backward()
+    torch.testing.assert_close(model.fc.bias.grad, loaded.fc.bias.grad)
+
+
+def test_new_storage_for_a_master_weight_is_refused_in_one_line():
+    gen = torch.Generator().manual_seed(0)
+    model = SeqModel(input_dim=3, hidden_dim=4)
+    trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2")
+    model.fc.weight.data = torch.zeros_like(model.fc.weight)  # the replicas' lanes and graphs keep the old one
+    with pytest.raises(ValueError, match=r"^the model's parameter fc.weight got new storage \(p.data = ..., .to\(\)\) "
+                                         r"after the ParallelTrainer was built; write into it in place") as info:
+        trainer.step(*batch(2, gen))
+    assert "\n" not in str(info.value)

@@ -21,12 +21,13 @@ import pickle
 import random
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import nn
 
+from .checkpoint_fields import FieldError, check_model_fields, check_training_fields
 from .files import write_atomically
 
 __all__ = ["CHECKPOINT_NAME", "FORMAT", "CheckpointError", "CheckpointWriteError", "save_checkpoint",
@@ -39,6 +40,7 @@ PathLike = Union[str, Path]
 # What vlseq-train saves; a resume needs all of it, a prediction the first three.
 MODEL_KEYS = ("config", "data", "model")
 RESUME_KEYS = MODEL_KEYS + ("optimizer", "trainer", "sampler", "run", "rng")
+DAMAGED = "the checkpoint is damaged or was not written by vlseq-train: use another copy of it"
 
 
 class CheckpointError(ValueError):
@@ -221,7 +223,15 @@ def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
         raise CheckpointError(f"{found}: not a vlseq checkpoint: {what}no {', '.join(repr(k) for k in missing)} "
                               f"entr{'y' if len(missing) == 1 else 'ies'} (a vlseq-train checkpoint holds "
                               f"{', '.join(RESUME_KEYS)})")
-    _check_consistent(ckpt, found)
+    if ckpt.get("format", FORMAT) != FORMAT:
+        raise CheckpointError(f"{found}: format {ckpt['format']!r}, not {FORMAT!r}: written by another version of "
+                              "vlseq_ext, which this one cannot read")
+    shapes = _check_consistent(ckpt, found)
+    if all(k in need for k in RESUME_KEYS):
+        try:
+            check_training_fields(ckpt, shapes)
+        except FieldError as exc:
+            raise CheckpointError(f"{found}: cannot be resumed: {exc}; {DAMAGED}") from None
     return ckpt
 
 
@@ -232,18 +242,20 @@ def build_model(config: Dict[str, Any], data: Dict[str, Any]) -> nn.Module:
                     output_dim=int(data["output_dim"]), num_layers=int(config["layers"]), rnn=str(config["model"]))
 
 
-def _check_consistent(ckpt: Dict[str, Any], found: Path) -> None:
-    """The saved configuration must describe the saved weights (shapes compared on the meta device:
-    nothing is allocated, whatever the configuration says)."""
+def _check_consistent(ckpt: Dict[str, Any], found: Path) -> List[Tuple[int, ...]]:
+    """The saved configuration must describe a model vlseq-train builds (field by field, its size
+    counted before anything is built) and the saved weights (shapes compared on the meta device:
+    nothing is allocated). Returns the model's parameter shapes, in the optimizer's order."""
     cfg, data, weights = ckpt.get("config"), ckpt.get("data"), ckpt.get("model")
     if not isinstance(cfg, dict) or not isinstance(data, dict) or not isinstance(weights, dict):
         raise CheckpointError(f"{found}: not a vlseq checkpoint: 'config', 'data' and 'model' must be dicts")
     try:
-        with torch.device("meta"):
-            expected = build_model(cfg, data).state_dict()
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{found}: inconsistent: its configuration does not describe a model "
-                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+        check_model_fields(cfg, data)
+    except FieldError as exc:
+        raise CheckpointError(f"{found}: inconsistent: {exc}; {DAMAGED}") from None
+    with torch.device("meta"):
+        meta = build_model(cfg, data)
+    expected = meta.state_dict()
     for name, t in expected.items():
         w = weights.get(name)
         if not isinstance(w, torch.Tensor):
@@ -259,10 +271,11 @@ def _check_consistent(ckpt: Dict[str, Any], found: Path) -> None:
         if not bool(torch.isfinite(w).all()):  # vlseq-train skips non-finite steps: its weights never are
             raise CheckpointError(f"{found}: the saved weight {name} holds NaN or inf; the checkpoint is damaged or "
                                   "was not written by vlseq-train")
-    extra = sorted(set(weights) - set(expected))
+    extra = sorted(str(k) for k in set(weights) - set(expected))
     if extra:
         raise CheckpointError(f"{found}: inconsistent: the saved weights have {extra[0]}, which the saved "
                               f"configuration ({_describe(cfg, data)}) does not")
+    return [tuple(p.shape) for p in meta.parameters()]
 
 
 def _describe(cfg: Dict[str, Any], data: Dict[str, Any]) -> str:

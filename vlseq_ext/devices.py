@@ -21,7 +21,11 @@ from . import env
 DeviceLike = Union[str, int, torch.device]
 DeviceSpec = Union[None, str, int, torch.device, Sequence[DeviceLike]]
 
-__all__ = ["DeviceLike", "DeviceSpec", "parse_devices", "visible_gpus", "local_share"]
+__all__ = ["DeviceLike", "DeviceSpec", "parse_devices", "visible_gpus", "local_share", "MAX_CPU_REPLICAS"]
+
+# CPU replicas run one after another on one thread (they exist to test multi-device training without
+# GPUs): more than this only costs memory and time (cpu:1000000 copied the model for minutes).
+MAX_CPU_REPLICAS = 1024
 
 
 def visible_gpus() -> int:
@@ -91,6 +95,9 @@ def _one(item: DeviceLike, spec: object) -> torch.device:
             visible = ", ".join(f"cuda:{i}" for i in range(have)) or "none"
             raise ValueError(f"devices {spec!r}: {dev} does not exist (visible GPUs: {visible})")
     elif dev.type == "cpu":
+        if dev.index is not None and len(str(spec).split(",")) > 1:
+            raise ValueError(f"devices {spec!r}: {item} in a list; cpu:N alone gives N CPU replicas, a list takes "
+                             "cpu (cpu,cpu)")
         dev = torch.device("cpu")
     else:
         raise ValueError(f"devices {spec!r}: only CUDA and CPU devices are supported, got {dev}")
@@ -129,8 +136,9 @@ def parse_devices(spec: DeviceSpec = None) -> List[torch.device]:
         m = re.fullmatch(r"cpu(?::(\d+))?", s)
         if m:
             n = int(m.group(1) or 1)
-            if n < 1:
-                raise ValueError(f"devices {spec!r}: need at least one CPU replica")
+            if not 1 <= n <= MAX_CPU_REPLICAS:
+                raise ValueError(f"devices {spec!r}: {n} CPU replicas; give 1 to {MAX_CPU_REPLICAS} (they run one "
+                                 "after another: more only cost memory)")
             return [torch.device("cpu")] * n
         if s == "cuda":
             if visible_gpus() == 0:

@@ -8,11 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from ..files import is_stream
+from ..checkpoint_fields import MAX_PARAMETERS, rnn_parameters
+from ..files import descriptor_problem, is_stream, path_problem
 
-# The model may not have more parameters than this (8 GiB of float32 weights, and as much again for
-# the gradients and twice for Adam's state, per device).
-MAX_PARAMETERS = 2 ** 31
 # The synthetic set: 36 features, lengths 50..500 (mean 275); building it holds about 3 copies.
 SYNTHETIC_BYTES_PER_SAMPLE = 275 * 36 * 4 * 3
 FALLBACK_PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
@@ -21,6 +19,12 @@ FALLBACK_PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw",
 
 class CLIError(Exception):
     """A usage or configuration problem: printed as one line, exit code 2."""
+
+
+def one_line(text: object) -> str:
+    """`text` as one line: a control character (a newline in a file name, an escape sequence) or a
+    surrogate of a name that is not UTF-8 is written as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _gb(n: float) -> str:
@@ -37,19 +41,25 @@ def physical_memory() -> Optional[int]:
         return None
 
 
-def rnn_parameters(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int) -> int:
-    """Parameters of SeqModel (unidirectional): gates x H x (in + H + 2) per layer, plus the head."""
-    gates = 4 if rnn == "lstm" else 3
-    n = sum(gates * hidden * ((input_dim if layer == 0 else hidden) + hidden + 2) for layer in range(layers))
-    return n + hidden * output_dim + output_dim
-
-
-def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "") -> None:
+def check_model_size(rnn: str, input_dim: int, hidden: int, layers: int, output_dim: int, what: str = "",
+                     cpu_replicas: int = 1) -> None:
+    """The model fits the parameter limit, and its cpu_replicas copies (weights and gradients each, and
+    Adam's state once) fit in this machine's memory."""
     n = rnn_parameters(rnn, input_dim, hidden, layers, output_dim)
     if n > MAX_PARAMETERS:
         raise CLIError(f"{what or f'--hidden {hidden} --layers {layers}'}: the model would have {n:,} parameters "
                        f"({_gb(4 * n)} of float32 weights, about {_gb(16 * n)} with gradients and Adam's state); "
                        f"the limit is {MAX_PARAMETERS:,}")
+    need, have = 4 * n * (2 * cpu_replicas + 2), physical_memory()
+    if cpu_replicas > 1 and have and need > have:
+        raise CLIError(f"--devices cpu:{cpu_replicas}: {cpu_replicas} CPU replicas of a model of {n:,} parameters "
+                       f"need about {_gb(need)} of memory, this machine has {_gb(have)}: give fewer replicas")
+
+
+def devices_error(spec: str, exc: ValueError) -> CLIError:
+    """parse_devices' error as the --devices flag's (its text starts with "devices '<spec>': ")."""
+    text = str(exc)
+    return CLIError(f"--devices {spec}: {text.split(': ', 1)[1] if text.startswith('devices ') else text}")
 
 
 def check_sizes(config: Any, ckpt: Optional[Dict[str, Any]]) -> None:
@@ -89,9 +99,18 @@ def remove_empty_dirs(dirs: Sequence[Path]) -> None:
             break
 
 
+def check_path(path: Path, flag: str, dangling_ok: bool = False) -> None:
+    """A path given for `flag` can be looked up (files.path_problem: no name too long, no symbolic link
+    loop, no link to nothing on the way, unless dangling_ok for the link at its end)."""
+    problem = path_problem(path, dangling_ok)
+    if problem:
+        raise CLIError(f"{flag} {path}: {problem}")
+
+
 def check_dir(path: Path, flag: str) -> None:
     """`path` is (or can be created as) a directory where files can be written. Creates nothing that
     stays: a missing directory is created and removed again."""
+    check_path(path, flag)
     if path.exists():
         if not path.is_dir():
             raise CLIError(f"{flag} {path}: is a file, not a directory" if path.is_file()
@@ -114,8 +133,13 @@ def check_dir(path: Path, flag: str) -> None:
 
 
 def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -> None:
-    """`path` can be written as a file: not a directory, its folder usable, its extension one of
-    `formats` (when given). An existing file is fine (the caller decides about overwriting)."""
+    """`path` can be written as a file: not a directory, its folder usable (a symbolic link to nothing
+    is written through: its target's), its extension one of `formats` (when given). An existing file
+    is fine (the caller decides about overwriting)."""
+    check_path(path, flag, dangling_ok=True)
+    problem = descriptor_problem(path)
+    if problem:
+        raise CLIError(f"{flag} {path}: {problem}")
     if formats is not None and not is_stream(path):  # (a stream such as /dev/null needs no extension)
         ext = path.suffix.lower().lstrip(".")
         known = sorted(formats)
@@ -124,10 +148,8 @@ def check_file(path: Path, flag: str, formats: Optional[Iterable[str]] = None) -
         if ext not in known:
             raise CLIError(f"{flag} {path}: unknown extension .{ext} (use one of: "
                            f"{', '.join('.' + f for f in known)})")
-    try:
-        path.resolve()
-    except (OSError, RuntimeError):
-        raise CLIError(f"{flag} {path}: is a symbolic link loop") from None
+    if path.is_symlink() and not path.exists():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise CLIError(f"{flag} {path}: is a directory, not a file")
     if path.exists():

@@ -40,6 +40,14 @@ def _finite_positive(optional: bool = False) -> Check:
     return (lambda v: (optional and v is None) or (math.isfinite(v) and v > 0)), "a finite number > 0"
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_positive() -> Check:
+    """A number the float32 weights' optimizer can hold (--lr 1e300 overflowed in the first step)."""
+    return (lambda v: 0 < v <= FLOAT32_MAX), "a number > 0 that float32 holds (at most 3.4e+38)"
+
+
 def option(default: Any, group: str, help: str, *, metavar: Optional[str] = None, choices: Optional[List[str]] = None,
            check: Optional[Check] = None, fixed: bool = False, trainer: Optional[str] = None,
            flag_value: Optional[Callable[[Any], Any]] = None) -> Any:
@@ -84,7 +92,7 @@ class RunConfig:
                                    "only --max-steps is given)", metavar="N", check=_none_or_at_least(1))
     max_steps: Optional[int] = option(None, "training", "stop after N optimizer steps in total", metavar="N",
                                       check=_none_or_at_least(1))
-    lr: float = option(1e-3, "training", "Adam learning rate (default: {default})", check=_finite_positive())
+    lr: float = option(1e-3, "training", "Adam learning rate (default: {default})", check=_float32_positive())
     reduction: str = option("mean", "training", "step loss: mean or sum (the seed's) of the per-sample losses "
                             "(default: {default})", choices=["mean", "sum"], trainer="reduction")
     clip_grad: Optional[float] = option(None, "training", "clip the global gradient L2 norm to NORM", metavar="NORM",
@@ -121,6 +129,7 @@ class RunConfig:
     forked_from: Optional[str] = private(None)  # the run id of the run this one was forked from
     metrics_default: Optional[bool] = private(None)  # metrics was not given: it follows the run folder
     plot_default: Optional[bool] = private(None)  # the same for the plot
+    run_dir: Optional[str] = private(None)  # the run folder, absolute, when saved: outputs in it move with it
 
     # -- the fields by kind -----------------------------------------------------------------------
     @classmethod
@@ -150,14 +159,36 @@ class RunConfig:
         return {f.metadata["trainer"]: getattr(self, f.name) for f in self.options() if f.metadata["trainer"]}
 
     def check(self) -> None:
-        """Every option's value, each refused by its flag (CLIError) when it makes no sense."""
-        for f in self.options():
-            if f.metadata["check"] is None:
-                continue
-            accepts, expected = f.metadata["check"]
-            value = getattr(self, f.name)
-            if not accepts(value):
-                raise CLIError(f"{flag(f.name)} must be {expected}, got {value}")
+        """Every field's type, and every option's value, each refused by its flag (CLIError) when it
+        makes no sense (a value read from a checkpoint passes the same checks as one given now)."""
+        for f in fields(self):
+            value, m = getattr(self, f.name), f.metadata
+            name = flag(f.name) if m["kind"] == "option" else f.name
+            if not _has_type(value, str(f.type)):
+                raise CLIError(f"{name} must be {_TYPE_NAMES[str(f.type)]}, got {value!r}")
+            if m.get("choices") and value is not None and value not in m["choices"]:
+                raise CLIError(f"{name} must be one of {', '.join(m['choices'])}, got {value!r}")
+            if m.get("check") is not None:
+                accepts, expected = m["check"]
+                if not accepts(value):
+                    raise CLIError(f"{name} must be {expected}, got {value}")
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_TYPE_NAMES.update({f"Optional[{k}]": f"{v} or nothing" for k, v in list(_TYPE_NAMES.items())})
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    """value fits a field annotated `annotation` ("int", "Optional[float]", ...); a bool is no number."""
+    optional = annotation.startswith("Optional[")
+    base = annotation[len("Optional["):-1] if optional else annotation
+    if value is None:
+        return optional
+    if isinstance(value, bool):
+        return base == "bool"
+    if base == "float" and isinstance(value, int):
+        return abs(value) <= 2 ** 53  # (a larger int is no float torch takes)
+    return isinstance(value, {"int": int, "float": float, "str": str, "bool": bool}[base])
 
 
 def flag(name: str) -> str:

@@ -7,15 +7,22 @@ the check that found it (`refuse`); the other rules say what the code does where
 from __future__ import annotations
 
 import os
+import stat
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
+from ..files import is_terminal
 from .checks import CLIError, check_dir, check_file, plot_formats
 
-__all__ = ["Rule", "RULES", "refuse", "same_file", "check_outputs_distinct", "check_output_paths",
-           "check_not_a_previous_run", "check_new_output", "check_resume_target"]
+__all__ = ["Rule", "RULES", "OUTPUT_NAMES", "refuse", "same_file", "holds_checkpoint", "check_outputs_distinct",
+           "check_outputs_replaceable", "check_output_paths", "check_not_a_previous_run", "check_new_output",
+           "check_resume_target"]
+
+
+TEXT_PLOT_FORMATS = ("svg", "eps", "ps", "pgf")  # what matplotlib writes as text; the rest is binary
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,9 @@ RULES: Dict[str, Rule] = _rules(
          "refused: fork into a new folder",
          ("test_a_resume_never_replaces_another_run_or_a_later_point",),
          "--checkpoint-dir {dir} already holds files of another run ({names}): fork into a new --checkpoint-dir"),
+    Rule("fork-over-a-file", "a fork's --metrics or --plot, given by name, holds something",
+         "refused, naming that flag: a fork starts its own files", ("test_a_fork_refusal_names_the_flag_at_fault",),
+         "{flag} {path} already exists, and a fork starts its own {name} file: choose another {flag} file"),
     Rule("resume-other-file", "a resume is given a --metrics or --plot other than its own, which holds something",
          "refused (a resume continues its own files)",
          ("test_a_resume_never_wipes_another_runs_metrics",),
@@ -80,7 +90,8 @@ RULES: Dict[str, Rule] = _rules(
          "--metrics {path} is not a vlseq-train metrics file ({why}); resuming would rewrite it: choose another "
          "--metrics"),
     Rule("resume-trims-metrics", "a resume's metrics file has records after the checkpoint's step",
-         "they are dropped (atomically): the file reads as one uninterrupted run",
+         "they are dropped in place (one truncate: the file stays the one the run holds, live-output): the file "
+         "reads as one uninterrupted run; records out of step order are refused as resume-not-metrics",
          ("test_resume_drops_metrics_written_after_the_checkpoint",
           "test_resume_repeats_the_uninterrupted_losses_exactly")),
     Rule("output-is-an-input", "an output is the --data file or the checkpoint resumed (or read by vlseq-predict)",
@@ -94,15 +105,43 @@ RULES: Dict[str, Rule] = _rules(
          ("test_a_run_folder_in_use_by_a_live_run_is_refused",),
          "--checkpoint-dir {dir}: another vlseq-train run is using this folder now; wait for it to finish, or choose "
          "another --checkpoint-dir"),
+    Rule("live-output", "an output (--metrics, --plot, given or in the run folder) that another live vlseq-train "
+         "writes: every run holds its output files as its folder (flock on the file, created empty until written)",
+         "refused, --overwrite or not, before any other file rule is checked",
+         ("test_a_live_runs_files_are_its_own", "test_two_runs_started_together_never_share_a_file"),
+         "{flag} {path}: another vlseq-train run is writing this file now; wait for it to finish, or choose another "
+         "{flag} file"),
+    Rule("output-is-a-checkpoint", "an output of either command, other than the run's checkpoint, holds a checkpoint "
+         "(a torch.save archive: another run's last.pt, say)", "refused, --overwrite or not",
+         ("test_no_output_replaces_a_checkpoint_and_no_advice_leads_there",),
+         "{flag} {path} holds a checkpoint, which no other output replaces (not even with --overwrite): choose "
+         "another {flag} file"),
+    Rule("another-runs-output", "an output of either command is the metrics.jsonl or loss.png of a folder that holds "
+         "another run's checkpoint", "refused, --overwrite or not: that run resumes into it",
+         ("test_no_output_replaces_a_checkpoint_and_no_advice_leads_there",
+          "test_a_link_never_leads_a_run_into_another_runs_files"),
+         "{flag} {path} is the {name} file of the run in {dir}, which resumes into it (not even --overwrite replaces "
+         "it): choose another {flag} file"),
     Rule("streams", "an output that is a stream (/dev/null, a FIFO, /dev/stdout)",
-         "written in place and appended to, never replaced or renamed over; it needs no file extension",
+         "written in place and appended to, never replaced or renamed over; it needs no file extension; a "
+         "descriptor of the process (/dev/stdout) is written through a duplicate, which shares its offset (and "
+         "appends behind a redirect to a file), so the run's own printing never overwrites it; a FIFO nothing reads "
+         "yet is waited for with a warning",
          ("test_a_resume_appends_to_a_stream_and_never_replaces_it", "test_dev_null_as_the_plot",
-          "test_a_stream_is_written_in_place_never_replaced")),
+          "test_a_stream_is_written_in_place_never_replaced", "test_outputs_on_redirected_standard_streams_stay_whole",
+          "test_a_fifo_without_a_reader_is_waited_for_with_a_warning")),
+    Rule("binary-to-a-terminal", "--plot is a terminal (/dev/stdout not redirected) and its format is binary",
+         "refused before training: redirect it to a file", ("test_a_binary_plot_to_a_terminal_is_refused",),
+         "--plot {path} is a terminal, and a {fmt} plot is binary: redirect it to a file, or give --plot a file "
+         "name"),
     Rule("writable-up-front", "an output that cannot be written (a file as the folder, a folder as the file, no "
-         "permission, a plot extension matplotlib lacks, a symbolic link loop)", "refused before training",
+         "permission, a plot extension matplotlib lacks, a symbolic link loop, a closed descriptor), or a last.pt "
+         "that is a symbolic link (the run writes its checkpoint in the folder it holds)", "refused before training",
          ("test_impossible_output_paths_are_refused_before_training",
           "test_a_symbolic_link_loop_as_an_output_is_one_line",
-          "test_a_checkpoint_path_that_is_a_folder_is_refused_before_training")),
+          "test_a_checkpoint_path_that_is_a_folder_is_refused_before_training",
+          "test_a_descriptor_that_cannot_be_written_is_refused_up_front",
+          "test_a_link_never_leads_a_run_into_another_runs_files")),
     Rule("default-run-folder", "no --checkpoint-dir",
          "the run claims its own runs/vlseq-<date>-<time>[-N] with mkdir (runs started in the same second too); "
          "a folder the run made and left empty is removed",
@@ -113,6 +152,9 @@ RULES: Dict[str, Rule] = _rules(
          "other/../m.jsonl makes no other/",
          ("test_explicit_outputs_are_found_again_from_another_folder",
           "test_dot_dot_in_output_paths_makes_no_stray_folders")),
+    Rule("outputs-move-with-the-folder", "a resumed run's --metrics or --plot, given inside its run folder, which has "
+         "moved since (renamed or copied)", "written in the folder where the run is now, never in the old place",
+         ("test_a_renamed_run_folder_resumes_where_it_is_now",)),
     Rule("resumed-data-path", "a resume from another folder, whose saved (relative) data path is not there",
          "refused: run from the run's folder, or pass --data",
          ("test_a_resume_from_another_folder_names_the_saved_data_path",),
@@ -164,19 +206,66 @@ def check_outputs_distinct(outputs: Sequence[Tuple[str, Path]], inputs: Sequence
                 refuse("outputs-collide", flag=flag, path=path, other=other)
 
 
+# The names of a run's outputs in its folder, unless given elsewhere.
+OUTPUT_NAMES = {"--metrics": "metrics.jsonl", "--plot": "loss.png"}
+# torch.save's pickle format before its zip archives: the protocol-2 header and torch's magic number.
+_LEGACY_TORCH = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def holds_checkpoint(path: Path) -> bool:
+    """A torch.save archive (a zip holding data.pkl, or the legacy pickle): a checkpoint, anyone's."""
+    try:
+        # O_NONBLOCK: opening a FIFO to look would wait for a writer
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return False
+            head = fh.read(len(_LEGACY_TORCH))
+        if head.startswith(_LEGACY_TORCH):
+            return True
+        if not head.startswith(b"PK\x03\x04"):
+            return False
+        with zipfile.ZipFile(path) as zf:
+            return any(name.split("/")[-1] == "data.pkl" for name in zf.namelist())
+    except Exception:  # noqa: BLE001 - not readable as an archive (OSError, BadZipFile, ...): not a checkpoint
+        return False
+
+
+def check_outputs_replaceable(outputs: Sequence[Tuple[str, Path]], run_dir: Optional[Path] = None) -> None:
+    """No output (but the run's own checkpoint) replaces a checkpoint, or the metrics or plot of another
+    run, whose folder (not run_dir) holds its checkpoint (output-is-a-checkpoint, another-runs-output)."""
+    for flag, path in outputs:
+        if holds_checkpoint(path):
+            refuse("output-is-a-checkpoint", flag=flag, path=path)
+        for where in {path, Path(os.path.realpath(path))}:  # (a symbolic link: where it points too)
+            folder = where.parent
+            if where.name in OUTPUT_NAMES.values() and (folder / CHECKPOINT_NAME).is_file() and \
+                    not (run_dir is not None and same_file(folder, run_dir)):
+                name = "metrics" if where.name == OUTPUT_NAMES["--metrics"] else "plot"
+                refuse("another-runs-output", flag=flag, path=path, name=name, dir=folder)
+
+
 def check_output_paths(config: Any, resumed: Optional[Path] = None) -> None:
-    """The run's outputs can be written (writable-up-front), and none is an input or another output."""
+    """The run's outputs can be written (writable-up-front, binary-to-a-terminal), and none is an input,
+    another output, a checkpoint or another run's."""
     run_dir, metrics, plot = Path(config.checkpoint_dir), Path(config.metrics), Path(config.plot)
     check_dir(run_dir, "--checkpoint-dir")
     check_file(run_dir / CHECKPOINT_NAME, "--checkpoint-dir")  # (not a directory: found late)
+    if (run_dir / CHECKPOINT_NAME).is_symlink():  # written through, it would land outside the folder the run holds
+        raise CLIError(f"--checkpoint-dir {run_dir}: {CHECKPOINT_NAME} there is a symbolic link (to "
+                       f"{os.readlink(run_dir / CHECKPOINT_NAME)}); a run writes its checkpoint in its own folder: "
+                       "replace the link by a copy, or choose another --checkpoint-dir")
     check_file(metrics, "--metrics")
     check_file(plot, "--plot", plot_formats())
+    fmt = plot.suffix.lower().lstrip(".") or "png"  # (the format write_plot uses)
+    if is_terminal(plot) and fmt not in TEXT_PLOT_FORMATS:
+        refuse("binary-to-a-terminal", path=plot, fmt=fmt)
     outputs = [("--metrics", metrics), ("--plot", plot)]
     data = Path(config.data)
     check_outputs_distinct(outputs + [("--checkpoint-dir", run_dir / CHECKPOINT_NAME)],
                            [("--data", data)] if data.exists() else [])
     if resumed is not None:
         check_outputs_distinct(outputs, [("--resume", resumed)])
+    check_outputs_replaceable(outputs, run_dir)
 
 
 def check_not_a_previous_run(config: Any, fork: bool = False) -> None:
@@ -191,7 +280,11 @@ def check_not_a_previous_run(config: Any, fork: bool = False) -> None:
         return
     names = ", ".join(str(p) for p, _, _ in found)
     if fork:
-        refuse("fork-into-a-run", dir=run_dir, names=names)
+        in_folder = [p for p, _, default in found if default]
+        if in_folder:
+            refuse("fork-into-a-run", dir=run_dir, names=", ".join(map(str, in_folder)))
+        path, flag, _ = found[0]
+        refuse("fork-over-a-file", flag=flag, path=path, name=flag[2:])
     if ckpt.is_file():
         refuse("new-run-over-a-run", dir=run_dir, names=names)
     for path, flag, default in found:

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from ..checkpoint import CHECKPOINT_NAME, MODEL_KEYS, CheckpointError, build_model, find_checkpoint, read_checkpoint
 from ..data import DataError, RaggedDataset, check_file as check_data_file, load_ragged, load_ts
 from ..devices import parse_devices
-from ..files import write_atomically
+from ..files import is_stream, write_atomically
 from .._version import __version__
-from .checks import CLIError, check_file
-from .file_rules import check_outputs_distinct, refuse
+from .checks import CLIError, check_file, check_path, devices_error, one_line
+from .file_rules import check_outputs_distinct, check_outputs_replaceable, refuse
+from .locks import check_not_held
 from .reporting import one_line_warnings
 
 PROG = "vlseq-predict"
@@ -79,6 +80,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Every output problem, before anything is loaded or computed."""
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_path(Path(args.checkpoint), "--checkpoint")
+    check_path(Path(args.data), "--data")
     out = Path(args.out)
     check_file(out, "--out", OUT_FORMATS)
     paths = [("--out", out)]
@@ -89,8 +92,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
     checkpoint = find_checkpoint(args.checkpoint)
     check_outputs_distinct(paths, [("--data", Path(args.data))]
                            + ([("--checkpoint", checkpoint)] if checkpoint is not None else []))
+    check_outputs_replaceable(paths)
+    check_not_held(paths)
     for flag, path in paths:
-        if path.exists() and not args.overwrite:
+        if path.exists() and not args.overwrite and not is_stream(path):  # (a stream is appended to)
             refuse("predict-outputs", flag=flag, path=path)
 
 
@@ -205,7 +210,7 @@ def predict(args: argparse.Namespace) -> int:
     try:
         devices = parse_devices(args.devices)
     except ValueError as exc:
-        raise CLIError(f"--devices {args.devices}: {exc}") from None
+        raise devices_error(args.devices, exc) from None
     try:
         ckpt = read_checkpoint(args.checkpoint, need=MODEL_KEYS)
     except FileNotFoundError:
@@ -248,10 +253,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with one_line_warnings(PROG):
             return predict(args)
     except CLIError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except DataError as exc:
-        print(f"{PROG}: error: {exc.with_hint(DATA_HINTS)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc.with_hint(DATA_HINTS))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: {args.out} was not written", file=sys.stderr)

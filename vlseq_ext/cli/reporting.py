@@ -1,24 +1,24 @@
-"""What vlseq-train shows and writes: the progress bar or log lines, the JSON Lines metrics file, the
+"""What vlseq-train shows and writes: the progress bar or log lines (the metrics file: metrics.py), the
 run's counters and history (saved in every checkpoint), the loss plot, and the final summary."""
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..files import is_stream, write_atomically
-from .checks import CLIError
-from .file_rules import refuse
+from ..checkpoint_fields import FieldError, check_dict, check_int, check_number
+from ..files import write_atomically
+from .checks import one_line
+from .metrics import MetricsFile
 
 
 @contextlib.contextmanager
@@ -26,72 +26,11 @@ def one_line_warnings(prog: str) -> Iterator[None]:
     """Warnings (data that rounds, a slow plan) as one line each, "<prog>: warning: ...", instead of
     Python's file:line form with a source line under it."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
-        print(f"{prog}: warning: {message}", file=sys.stderr)
+        print(f"{prog}: warning: {one_line(message)}", file=sys.stderr)
 
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
-
-
-class MetricsFile:
-    """The JSON Lines metrics file: strict JSON records, flushed after every write. A failed write
-    (a full disk) becomes a CLIError naming the file; closing never raises."""
-
-    def __init__(self, path: Optional[Path], fh: TextIO) -> None:
-        self.path, self.fh = path, fh
-
-    def write(self, recs: Sequence[Dict[str, Any]]) -> None:
-        """Append records; a non-finite number becomes null (skipped steps say why)."""
-        try:
-            for r in recs:
-                clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()}
-                self.fh.write(json.dumps(clean, allow_nan=False) + "\n")
-            self.fh.flush()
-        except OSError as exc:
-            raise CLIError(f"cannot write the metrics to {self.path}: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        try:
-            self.fh.close()
-        except OSError:  # the error was reported by the write that failed
-            pass
-
-
-def open_metrics(path: Path, resume_step: Optional[int]) -> TextIO:
-    """Open the metrics file for appending. On resume, records after the checkpoint's step are
-    dropped first (file rule resume-trims-metrics); otherwise it starts empty. A stream (/dev/null, a
-    FIFO) is only appended to (streams). A file that is not a metrics file is refused rather than
-    rewritten (resume-not-metrics): a resume with --metrics notes.txt would have kept only JSON."""
-    if is_stream(path):  # append: a second offset on stdout's file would write over what else is printed there
-        return open(path, "a", encoding="utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if resume_step is None or not path.exists():
-        return open(path, "w", encoding="utf-8")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        refuse("resume-not-metrics", path=path, why="not UTF-8 text")
-    keep = []
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1:  # the last line, torn by a crash
-                continue
-            rec = None
-        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and "type" in rec):
-            refuse("resume-not-metrics", path=path, why=f"line {i + 1} is not one of its records")
-        if rec["step"] <= resume_step:
-            keep.append(line + "\n")
-    write_atomically(path, lambda fh: fh.write("".join(keep)), text=True)
-    return open(path, "a", encoding="utf-8")
-
-
-def open_metrics_file(path: Path, resume_step: Optional[int]) -> MetricsFile:
-    try:
-        return MetricsFile(path, open_metrics(path, resume_step))
-    except OSError as exc:
-        raise CLIError(f"cannot write the metrics to {path}: {exc.strerror or exc}") from None
 
 
 class RunState:
@@ -99,6 +38,33 @@ class RunState:
 
     EPOCH_ZERO = {"samples": 0, "loss_sum": 0.0, "loss_samples": 0, "grad_norm_sum": 0.0, "grad_norm_steps": 0,
                   "grad_norm_max": 0.0, "train_time": 0.0}
+    SERIES = {"step": ("loss",), "val_step": ("val_loss", "val_accuracy"), "epoch_loss": ()}  # a series: its partners
+
+    @classmethod
+    def check_saved(cls, saved: Any) -> None:
+        """A checkpoint's "run" entry, field by field (FieldError): what __init__ reads from it."""
+        check_dict(saved, "run", ("step", "epoch", "elapsed", "history"), ("step",))
+        for k, v in check_dict(saved.get("epoch", {}), "run epoch", cls.EPOCH_ZERO).items():
+            check_number(v, f"run epoch {k}")
+        check_number(saved.get("elapsed", 0.0), "run elapsed", 0)
+        history = check_dict(saved.get("history", {}), "run history", [k for kv in cls.SERIES.items() for k in
+                                                                         (kv[0], *kv[1])])
+        for key, partners in cls.SERIES.items():
+            lengths = set()
+            for k in (key, *partners):
+                v = history.get(k, [])
+                if isinstance(v, Tensor) and v.dim() == 1:
+                    v = v.tolist()
+                if not isinstance(v, list):
+                    raise FieldError(f"run history {k} is not a list")
+                for x in v:
+                    if k in ("step", "val_step"):
+                        check_int(x, f"run history {k}")
+                    elif x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)):
+                        raise FieldError(f"run history {k} holds a {type(x).__name__}, not a number")
+                lengths.add(len(v))
+            if len(lengths) > 1:
+                raise FieldError(f"run history {', '.join((key, *partners))} differ in length")
 
     def __init__(self, saved: Optional[Dict[str, Any]] = None) -> None:
         s = saved or {}

@@ -5,12 +5,11 @@ Under torchrun every process builds the same run; rank 0 alone prints, writes me
 checkpoints (the master's model and optimizer are identical on every rank)."""
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,11 +25,11 @@ from ..distributed import ProcessGroup
 from ..training.loop import TrainingLoop
 from ..training.trainer import ParallelTrainer
 from . import file_rules
-from .checks import CLIError, check_model_size, missing_dirs, remove_empty_dirs
+from .checks import CLIError, check_model_size, devices_error
 from .config import PROG, RunConfig
 from .reporting import RunState
 
-__all__ = ["Run", "build_run", "restore_run", "save_run", "evaluate_split", "RunFolderLock"]
+__all__ = ["Run", "build_run", "restore_run", "save_run", "evaluate_split"]
 
 
 @dataclass
@@ -91,7 +90,7 @@ def build_run(config: RunConfig, group: ProcessGroup, resumed_data: Optional[Dic
     try:
         devices = parse_devices(config.devices)
     except ValueError as exc:
-        raise CLIError(f"--devices {config.devices}: {exc}") from None
+        raise devices_error(config.devices, exc) from None
     data, val = _open_data(config, group.rank == 0)
     meta = {"name": data.name, "num_features": data.num_features, "task": data.task, "output_dim": data.output_dim,
             "num_train": len(data), "class_names": data.class_names, "fingerprint": data.fingerprint()}
@@ -99,7 +98,7 @@ def build_run(config: RunConfig, group: ProcessGroup, resumed_data: Optional[Dic
         _check_same_data(data, meta, resumed_data)
     check_model_size(config.model, data.num_features, config.hidden, config.layers, data.output_dim,
                      f"{data.name} ({data.num_features} features, {data.output_dim} outputs) with --hidden "
-                     f"{config.hidden} --layers {config.layers}")
+                     f"{config.hidden} --layers {config.layers}", len(devices) if devices[0].type == "cpu" else 1)
     model = build_model(config.saved(), meta)
     on_gpu = devices[0].type == "cuda"
     if on_gpu:
@@ -223,7 +222,7 @@ def remove_replaced_checkpoint(run: Run) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# validation and the run folder
+# validation
 
 
 def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 256) -> Dict[str, float]:
@@ -245,38 +244,3 @@ def evaluate_split(trainer: ParallelTrainer, val: RaggedDataset, chunk: int = 25
     if val.task == "classification":
         res["val_accuracy"] = hits / len(val)
     return res
-
-
-class RunFolderLock:
-    """An exclusive lock on the run folder, from the checks to the end of the run (file rule
-    "live-folder"): flock on the directory itself, so no lock file is left behind, and the lock dies
-    with the process however it ends. A folder created for the lock is removed again on release when
-    the run left nothing in it. Where flock is missing (Windows, some network file systems) runs are
-    not guarded."""
-
-    def __init__(self, path: Path, created: Sequence[Path] = ()) -> None:
-        """created: folders the configuration made for this run already (deepest first)."""
-        self.fd: Optional[int] = None
-        self.created: List[Path] = list(created)
-        try:
-            import fcntl
-        except ImportError:
-            return
-        self.created += missing_dirs(path)
-        path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            file_rules.refuse("live-folder", dir=path)
-        except OSError:
-            os.close(fd)
-            return
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        remove_empty_dirs(self.created)

@@ -16,6 +16,7 @@ Checkpoints resume on any world size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -30,12 +31,14 @@ from .. import distributed, env
 from ..data import BUILTIN, DataError
 from ..distributed import DistributedError, ProcessGroup
 from .callbacks import CLICallbacks, stop_on_signals
-from .checks import CLIError
+from .checks import CLIError, one_line
 from .config import PROG, build_parser
-from .reporting import MetricsFile, Reporter, describe_model, format_summary, matplotlib_available, one_line_warnings, \
-    open_metrics_file, plural, summary_rows, write_plot
+from .metrics import MetricsFile, open_metrics_file
+from .reporting import Reporter, describe_model, format_summary, matplotlib_available, one_line_warnings, plural, \
+    summary_rows, write_plot
 from .resolve import Resolved, resolve
-from .run import Run, RunFolderLock, build_run, remove_replaced_checkpoint, restore_run
+from .locks import RunLock
+from .run import Run, build_run, remove_replaced_checkpoint, restore_run
 
 __all__ = ["main", "train", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 
@@ -53,7 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """vlseq-train; returns the exit code."""
     args = build_parser().parse_args(argv)
     group: ProcessGroup = ProcessGroup()
-    lock: Optional[RunFolderLock] = None
+    lock: Optional[RunLock] = None
     try:
         group = distributed.start()
         with one_line_warnings(PROG):
@@ -61,12 +64,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with deterministic_mode(resolved.config.deterministic), cpu_threads():
                 return train(resolved, group)
     except (DataError, CLIError) as exc:
-        print(f"{PROG}: {f'[rank {group.rank}] ' if group.rank else ''}error: {message(exc)}", file=sys.stderr)
+        print(f"{PROG}: {f'[rank {group.rank}] ' if group.rank else ''}error: {one_line(message(exc))}",
+              file=sys.stderr)
         return EXIT_USAGE
     except _PeerFailed:
         return EXIT_USAGE
     except DistributedError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # before training started (train() reports one that comes later)
         print(f"{PROG}: interrupted before training started: no checkpoint was written", file=sys.stderr)
@@ -91,17 +95,17 @@ def message(exc: Exception) -> str:
     return str(exc)
 
 
-def _resolve_on_rank0(args: Any, group: ProcessGroup) -> Tuple[Resolved, Optional[RunFolderLock]]:
-    """resolve, then the run folder's lock (the caller releases it); [distributed] on rank 0 only, which
-    sends the result to the others, so every rank trains the same run and only rank 0 needs the files
-    (and holds the lock)."""
+def _resolve_on_rank0(args: Any, group: ProcessGroup) -> Tuple[Resolved, Optional[RunLock]]:
+    """resolve, which takes the lock of the run's folder and files (returned: the caller releases it);
+    [distributed] on rank 0 only, which sends the result to the others, so every rank trains the same
+    run and only rank 0 needs the files (and holds the lock)."""
     payload: Any = None
-    lock: Optional[RunFolderLock] = None
+    lock: Optional[RunLock] = None
     if group.rank == 0:
         try:
             resolved = resolve(args)
-            lock = RunFolderLock(Path(resolved.config.checkpoint_dir), resolved.claimed_dirs)
-            payload = ("ok", resolved)
+            lock = resolved.lock
+            payload = ("ok", dataclasses.replace(resolved, lock=None))
         except (DataError, CLIError) as exc:
             if group.world_size == 1:
                 raise
@@ -182,8 +186,9 @@ def _train(run: Run, resumed: bool, resized_from: Optional[int]) -> int:
             f"{run.samples_per_step}: the rest of epoch {loop.epoch + 1} ({plural(len(run.sampler), 'step')}) "
             "uses the samples not yet seen, in the same order", file=sys.stderr)
     if loop.done():
+        limits = [(f, v) for f, v in (("--epochs", loop.epochs), ("--max-steps", loop.max_steps)) if v]
         say(f"{PROG}: nothing to do: the run is at step {loop.step} after {plural(loop.epoch, 'epoch')} "
-            f"(--epochs {loop.epochs}, --max-steps {loop.max_steps}); raise --epochs or --max-steps to continue",
+            f"({', '.join(f'{f} {v}' for f, v in limits)}); raise {' or '.join(f for f, _ in limits)} to continue",
             file=sys.stderr)
         return EXIT_OK
 

@@ -8,6 +8,7 @@ Every failure raises `DataError` with a one-line message that names the file and
 from __future__ import annotations
 
 import math
+import os
 import re
 import zipfile
 import zlib
@@ -18,6 +19,7 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ..files import path_problem
 from .ragged import MAX_CLASS_LABEL, DataError, RaggedDataset, build_dataset, float32_values, from_sequences
 
 __all__ = ["DataError", "RaggedDataset", "save_ragged", "load_ragged", "load_ts", "synthetic", "japanese_vowels",
@@ -57,6 +59,9 @@ def save_ragged(path: PathLike, sequences: Sequence[Any], targets: Any = None) -
 
 def check_file(path: Path) -> None:
     """DataError unless `path` is an existing regular file (a directory or a device is named as such)."""
+    problem = path_problem(path)
+    if problem:
+        raise DataError(f"{path}: {problem}", "data")
     if path.is_file():
         return
     if path.is_dir():
@@ -277,7 +282,7 @@ def open_dataset(data: str, task: Optional[str] = None, drop_nonfinite: bool = F
     path = Path(data)
     if path.suffix.lower() == ".ts":
         return load_ts(path, task, drop_nonfinite), None
-    if path.suffix.lower() == ".npz" or path.exists():
+    if path.suffix.lower() == ".npz" or os.path.lexists(path) or path_problem(path):  # (check_file says what)
         return load_ragged(path, task, drop_nonfinite), None
     raise DataError(f"{data}: no such file", "data", f"data is a .npz or .ts file, or one of: {', '.join(BUILTIN)}")
 

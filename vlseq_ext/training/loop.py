@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -166,6 +166,10 @@ class TrainingLoop:
             if not stepped:
                 if self.step == 0 and self.position == 0:
                     raise ValueError("empty dataset: no samples to train on")
+                if self.position == 0:  # an epoch that gave nothing after one that gave samples
+                    raise ValueError(f"epoch {self.epoch + 1}: the data gave no samples, after {self.step} steps "
+                                     "of earlier epochs (an iterable that can be read only once?); pass data that "
+                                     "gives its samples every epoch")
                 sampler.set_epoch(self.epoch + 1)
                 self.stop_reason = self._limit()
         return self.stop_reason
@@ -253,6 +257,9 @@ def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = Non
         sampler: Any = OrderedBatches(len(data), step_size, shuffle=shuffle, seed=seed)
         get_item: Callable[[Any], Any] = data.__getitem__
     else:
+        if epochs > 1 and isinstance(data, Iterator):  # a generator or other iterator: read once, it is then empty
+            raise ValueError(f"fit: data is an iterator ({type(data).__name__}), which gives its samples once, so it "
+                             f"cannot give epoch 2 of {epochs}: pass a list, a Dataset or a DataLoader, or epochs=1")
         sampler, get_item = IterableBatches(data, step_size), (lambda item: item)
     history = _FitHistory(trainer, val_data)
     TrainingLoop(trainer, sampler, get_item, max_steps=max_steps, epochs=epochs, callbacks=[history]).run()

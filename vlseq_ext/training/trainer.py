@@ -132,6 +132,7 @@ class ParallelTrainer:
         mean per `reduction`) as a 0-dim tensor on the master device, with no host sync: the global
         step's (every process's samples) or, with accumulation, this call's own samples'."""
         xs, ys = self._check(samples, targets)
+        self._follow_master()
         window = self.window
         if window.open:  # a later call of the window: only its loss starts from zero
             self.replicas.zero_losses()
@@ -153,6 +154,7 @@ class ParallelTrainer:
         samples) in the master model's .grad; no optimizer step. Returns the step's loss as a 0-dim
         tensor on the master device."""
         xs, ys = self._check(samples, targets)
+        self._follow_master()
         self.window.drop()
         self.replicas.zero(range(len(self.devices)))
         self._forward_backward(xs, ys)
@@ -216,10 +218,36 @@ class ParallelTrainer:
 
     def sync_replicas(self, buffers_only: bool = False) -> None:
         """Copy the master's parameters (unless buffers_only) and buffers into every replica, over
-        the P2P broadcast. Call it after changing the master's weights outside step()."""
+        the P2P broadcast. step() does it by itself when the master's weights changed in place since
+        (model.load_state_dict, an init_ under no_grad)."""
         if not buffers_only:
             self.replicas.broadcast_parameters()
+            self._master_seen = self._master_marks()
         self.replicas.broadcast_buffers()
+
+    def _master_marks(self) -> List[Tuple[int, int]]:
+        """Each master parameter's version counter (which every in-place write bumps) and storage. (The
+        trainer's list, not model.parameters(): walking the modules every step costs 5 us of host time.)"""
+        return [(p._version, p.data_ptr()) for p in self.replicas.master.params]
+
+    def _follow_master(self) -> None:
+        """The replicas follow weights written into the master behind the trainer's back: without this,
+        the next gradient mixed the replicas' old weights with the master's new ones. New storage
+        (p.data = t, model.double()) cannot be followed: the replicas' lanes and CUDA graphs hold the old
+        one. (A module replaced after the optimizer was built goes untrained, as in plain PyTorch.)"""
+        marks = self._master_marks()
+        if marks == self._master_seen:
+            return
+        names = [n for n, _ in self.model.named_parameters()]
+        for (_, ptr), (_, seen), name in zip(marks, self._master_seen, names):
+            if ptr != seen:
+                raise ValueError(f"the model's parameter {name} got new storage (p.data = ..., .to()) after the "
+                                 "ParallelTrainer was built; write into it in place (with torch.no_grad(): "
+                                 "p.copy_(t), or model.load_state_dict), or build a new ParallelTrainer")
+        if self.window.open:
+            warnings.warn("vlseq_ext: the model's weights changed inside an accumulation window; the gradients "
+                          "gathered so far are of the old weights", RuntimeWarning, stacklevel=3)
+        self.sync_replicas()
 
     # -- evaluation, warm-up, state ---------------------------------------------------------------
     def evaluate(self, samples: Sequence[Tensor], targets: Optional[Sequence[Any]] = None,
