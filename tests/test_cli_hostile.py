@@ -61,8 +61,8 @@ def test_every_path_flag_names_an_unusable_path_in_one_line(trained, tmp_path, c
         rc, _, err = run(capsys, *SMALL, "--max-steps", 1, *[x for kv in argv.items() for x in kv])
         one_line_error(rc, err, f"{flag} {path}: {expect}")
     else:
-        argv = {"--checkpoint": str(trained / "run"), "--data": str(trained / "d.npz"), "--out": str(tmp_path / "p.csv"),
-                flag: str(path)}
+        argv = {"--checkpoint": str(trained / "run"), "--data": str(trained / "d.npz"),
+                "--out": str(tmp_path / "p.csv"), flag: str(path)}
         rc = predict.main([x for kv in argv.items() for x in kv] + ["--quiet"])
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
