@@ -259,6 +259,8 @@ def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = Non
         if epochs > 1 and isinstance(given, Iterator):  # a generator or other iterator: read once, then empty
             raise ValueError(f"fit: {name} is an iterator ({type(given).__name__}), which gives its samples once, so "
                              f"it cannot give epoch 2 of {epochs}: pass a list, a Dataset or a DataLoader, or epochs=1")
+    if val_data is not None and hasattr(val_data, "__len__") and len(val_data) == 0:
+        raise ValueError("fit: val_data is empty; pass validation samples, or leave it out")
     step_size = trainer.samples_per_step * trainer.group.world_size  # [distributed] a global step
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         trainer.group.check_same("training samples", len(data))  # else steps would pair other samples
