@@ -61,8 +61,8 @@ def test_every_path_flag_names_an_unusable_path_in_one_line(trained, tmp_path, c
         rc, _, err = run(capsys, *SMALL, "--max-steps", 1, *[x for kv in argv.items() for x in kv])
         one_line_error(rc, err, f"{flag} {path}: {expect}")
     else:
-        argv = {"--checkpoint": str(trained / "run"), "--data": str(trained / "d.npz"), "--out": str(tmp_path / "p.csv"),
-                flag: str(path)}
+        argv = {"--checkpoint": str(trained / "run"), "--data": str(trained / "d.npz"),
+                "--out": str(tmp_path / "p.csv"), flag: str(path)}
         rc = predict.main([x for kv in argv.items() for x in kv] + ["--quiet"])
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
@@ -281,3 +281,20 @@ def test_a_link_never_leads_a_run_into_another_runs_files(trained, tmp_path, cap
     rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "M", "--overwrite")
     one_line_error(rc, err, f"is the metrics file of the run in {other}")
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+
+
+def test_an_output_where_a_standard_stream_goes_is_refused(tmp_path, capsys):
+    # --metrics log.txt > log.txt: the run's printing and its records wrote over each other
+    log = tmp_path / "log.txt"
+    log.write_text("")
+    saved = os.dup(1)
+    try:
+        fd = os.open(log, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+        rc, _, err = run(capsys, *SMALL, "--max-steps", 1, "--checkpoint-dir", tmp_path / "run", "--metrics", log)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    one_line_error(rc, err, f"--metrics {log} is the standard output's file: choose another file")
+    assert sorted(os.listdir(tmp_path)) == ["log.txt"]

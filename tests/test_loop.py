@@ -263,3 +263,11 @@ def test_fit_says_when_an_iterator_cannot_give_a_second_epoch():
     with pytest.raises(ValueError, match=r"epoch 2: the data gave no samples, after 3 steps of earlier epochs"):
         fit(FakeTrainer(), ReadOnce(), epochs=2)
     assert [h["steps"] for h in fit(FakeTrainer(), data, epochs=2)] == [3, 3]  # a list gives every epoch
+    with pytest.raises(ValueError, match=r"fit: val_data is an iterator \(generator\)"):
+        fit(FakeTrainer(), data, epochs=2, val_data=(d for d in data))
+    tr = FakeTrainer()
+    with pytest.raises(ValueError, match=r"fit: val_data is empty"):  # (was: "not enough values to unpack")
+        fit(tr, data, val_data=[])
+    assert tr.steps == []  # before any training
+    with pytest.raises(ValueError, match=r"fit: val_data gave no samples for epoch 1"):
+        fit(FakeTrainer(), data, val_data=(d for d in []))

@@ -8,6 +8,9 @@ old file as it was.
 The new file gets the permissions a plain open() would give it (0o666 less the umask), or those
 of the file it replaces: mkstemp creates its temporaries 0o600, which would make every checkpoint
 and prediction unreadable to the user's group.
+
+A stream (/dev/null, a FIFO, /dev/stdout) is never replaced: `open_stream` appends where it is.
+`path_problem` says why a path given on a command line cannot be looked up.
 """
 from __future__ import annotations
 

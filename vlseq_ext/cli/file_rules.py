@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 from ..checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
-from ..files import is_terminal
+from ..files import is_stream, is_terminal
 from .checks import CLIError, check_dir, check_file, plot_formats
 
 __all__ = ["Rule", "RULES", "OUTPUT_NAMES", "refuse", "same_file", "holds_checkpoint", "check_outputs_distinct",
@@ -98,8 +98,10 @@ RULES: Dict[str, Rule] = _rules(
          "refused, --overwrite or not", ("test_an_output_that_is_an_input_or_another_output_is_refused",
                                          "test_bad_input_is_one_line_and_writes_nothing"),
          "{flag} {path} is the {other} file, which is read: choose another file"),
-    Rule("outputs-collide", "two outputs of one run are one file", "refused, --overwrite or not",
-         ("test_an_output_that_is_an_input_or_another_output_is_refused",),
+    Rule("outputs-collide", "two outputs of one run are one file, or an output is where standard output or "
+         "standard error goes (--metrics log > log)", "refused, --overwrite or not",
+         ("test_an_output_that_is_an_input_or_another_output_is_refused",
+          "test_an_output_where_a_standard_stream_goes_is_refused"),
          "{flag} {path} is the {other} file: choose another file"),
     Rule("live-folder", "a run folder another live vlseq-train holds (flock on the folder)", "refused",
          ("test_a_run_folder_in_use_by_a_live_run_is_refused",),
@@ -266,6 +268,11 @@ def check_output_paths(config: Any, resumed: Optional[Path] = None) -> None:
     if resumed is not None:
         check_outputs_distinct(outputs, [("--resume", resumed)])
     check_outputs_replaceable(outputs, run_dir)
+    for flag, path in outputs + [("--checkpoint-dir", run_dir / CHECKPOINT_NAME)]:
+        for name, std in (("standard output's", "/dev/stdout"), ("standard error's", "/dev/stderr")):
+            # (--metrics log > log: the run's printing and its records would write over each other)
+            if not is_stream(path) and os.path.exists(path) and same_file(path, Path(std)):
+                refuse("outputs-collide", flag=flag, path=path, other=name)
 
 
 def check_not_a_previous_run(config: Any, fork: bool = False) -> None:

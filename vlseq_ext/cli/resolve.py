@@ -139,7 +139,7 @@ def _continued(given: Dict[str, Any], ckpt: Dict[str, Any],
     for k in ("metrics", "plot"):  # follow the run folder unless a path was given now
         if k not in given and (saved.get(f"{k}_default") or fork):  # a fork leaves the original's files alone
             values[k] = None
-        elif k not in given and then and saved.get(k) and _inside(saved[k], then):  # in the run folder: it moves with the folder
+        elif k not in given and then and saved.get(k) and _inside(saved[k], then):  # it moves with the run folder
             values[k] = os.path.join(os.path.abspath(values["checkpoint_dir"]), os.path.relpath(saved[k], then))
         elif k in given and not fork and saved.get(k) and not file_rules.same_file(Path(given[k]), Path(saved[k])):
             others.append((Path(given[k]), flag(k)))  # it starts afresh: it must not be another's

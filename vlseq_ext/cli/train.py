@@ -33,11 +33,11 @@ from ..distributed import DistributedError, ProcessGroup
 from .callbacks import CLICallbacks, stop_on_signals
 from .checks import CLIError, one_line
 from .config import PROG, build_parser
+from .locks import RunLock
 from .metrics import MetricsFile, open_metrics_file
 from .reporting import Reporter, describe_model, format_summary, matplotlib_available, one_line_warnings, plural, \
     summary_rows, write_plot
 from .resolve import Resolved, resolve
-from .locks import RunLock
 from .run import Run, build_run, remove_replaced_checkpoint, restore_run
 
 __all__ = ["main", "train", "EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED"]

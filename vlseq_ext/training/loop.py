@@ -236,7 +236,11 @@ class _FitHistory(Callback):
                "samples_per_s": self.n / elapsed if elapsed > 0 else math.inf,
                "skipped_steps": self.trainer.skipped_steps}
         if self.val_data is not None:
-            vx, vy = zip(*[(x, y) for x, y in self.val_data])
+            pairs = [(x, y) for x, y in self.val_data]
+            if not pairs:
+                raise ValueError(f"fit: val_data gave no samples for epoch {epoch + 1} (an iterator read in an earlier "
+                                 "epoch?); pass a list or a Dataset")
+            vx, vy = zip(*pairs)
             _, losses = self.trainer.evaluate(list(vx), list(vy))
             rec["val_loss"] = float(losses.mean())
         self.history.append(rec)
@@ -251,15 +255,18 @@ def fit(trainer: Any, data: Any, epochs: int = 1, max_steps: Optional[int] = Non
     part trained before max_steps)."""
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    for name, given in (("data", data), ("val_data", val_data)):
+        if epochs > 1 and isinstance(given, Iterator):  # a generator or other iterator: read once, then empty
+            raise ValueError(f"fit: {name} is an iterator ({type(given).__name__}), which gives its samples once, so "
+                             f"it cannot give epoch 2 of {epochs}: pass a list, a Dataset or a DataLoader, or epochs=1")
+    if val_data is not None and hasattr(val_data, "__len__") and len(val_data) == 0:
+        raise ValueError("fit: val_data is empty; pass validation samples, or leave it out")
     step_size = trainer.samples_per_step * trainer.group.world_size  # [distributed] a global step
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         trainer.group.check_same("training samples", len(data))  # else steps would pair other samples
         sampler: Any = OrderedBatches(len(data), step_size, shuffle=shuffle, seed=seed)
         get_item: Callable[[Any], Any] = data.__getitem__
     else:
-        if epochs > 1 and isinstance(data, Iterator):  # a generator or other iterator: read once, it is then empty
-            raise ValueError(f"fit: data is an iterator ({type(data).__name__}), which gives its samples once, so it "
-                             f"cannot give epoch 2 of {epochs}: pass a list, a Dataset or a DataLoader, or epochs=1")
         sampler, get_item = IterableBatches(data, step_size), (lambda item: item)
     history = _FitHistory(trainer, val_data)
     TrainingLoop(trainer, sampler, get_item, max_steps=max_steps, epochs=epochs, callbacks=[history]).run()
