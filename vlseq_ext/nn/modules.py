@@ -79,8 +79,8 @@ class _KernelRNN:
             return f"the kernels take float32 input (or bfloat16 under bf16 autocast), got {x.dtype}"
         if any(p.device != x.device for p in self.parameters()):
             return "parameters and input are on different devices"
-        cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
-        if not self._fits(cell, batch, x.device):
+        if not self._plan(batch, x.device):
+            cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
             return f"a {cell} of hidden size {self.hidden_size} does not fit the kernels on {x.device}"
         return None
 
@@ -92,9 +92,6 @@ class _KernelRNN:
         if key not in cache:
             cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device)
         return cache[key]
-
-    def _fits(self, cell: str, batch: int, device: torch.device) -> bool:
-        return bool(self._plan(batch, device))
 
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
