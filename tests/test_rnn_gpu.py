@@ -103,6 +103,15 @@ def test_wide_two_layer_one_sample_480_steps(rand, cls):
     compare(rand, cls, 36, 256, layers=2, lengths=(480,))
 
 
+@pytest.mark.parametrize("cls,H,bidirectional", [(nn.LSTM, 256, True), (nn.GRU, 256, False), (nn.GRU, 128, True),
+                                                  (nn.LSTM, 100, False)])
+def test_one_sample_layers_keep_w_hh_in_registers(rand, cls, H, bidirectional):
+    """One fp32 sample per cluster: the kernels that hold W_hh in registers (both directions)."""
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, 1, "fp32", DEV)
+    assert H == 100 or "W_hh in registers (forward and backward)" in plan, plan
+    compare(rand, cls, 36, H, bidirectional=bidirectional, lengths=(rand.py.randint(1, 300),))
+
+
 def test_wide_bidirectional_batch_32_lengths_50_to_500(rand):
     compare(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True, lengths=random_lengths(rand, 32, 50, 500))
 

@@ -1,6 +1,7 @@
 // Where one step of the persistent LSTM kernels spends its time: block 0's thread 0 stamps clock64()
 // at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
-// Usage: step_timing H B nc   (LSTM, fp32, 480 steps)
+// Usage: step_timing H B nc   (LSTM, fp32, 480 steps; one sample: W_hh in shared memory, then in
+// registers where it fits)
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
@@ -79,17 +80,29 @@ int main(int argc, char** argv) {
   const int fsmem = ForwardSmem(g, G, 4, bt).total;
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
-  if (bt == 1) launch(rnn_forward_kernel<Cell::kLSTM, 1, float>, fa, nc, nc, fsmem);
-  else if (bt == 4) launch(rnn_forward_kernel<Cell::kLSTM, 4, float>, fa, nc, nc, fsmem);
-  else launch(rnn_forward_kernel<Cell::kLSTM, 8, float>, fa, nc, nc, fsmem);
+  const bool regs_f = B == 1 && fits_registers(G * hs, (H + 3) / 4);
+  const bool regs_b = B == 1 && fits_registers(H, (G * hs + 3) / 4);
+  if (bt == 1) launch(rnn_forward_kernel<Cell::kLSTM, 1, float, false>, fa, nc, nc, fsmem);
+  else if (bt == 4) launch(rnn_forward_kernel<Cell::kLSTM, 4, float, false>, fa, nc, nc, fsmem);
+  else launch(rnn_forward_kernel<Cell::kLSTM, 8, float, false>, fa, nc, nc, fsmem);
   report(0, 7, T, fnames);
+  if (regs_f) {
+    printf(" W_hh in registers:\n");
+    launch(rnn_forward_kernel<Cell::kLSTM, 1, float, true>, fa, nc, nc, fsmem);
+    report(0, 7, T, fnames);
+  }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
   float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0);
   BackwardArgs ba{g, w, y, saved, cs, h0, c0, dlens, dy, nullptr, nullptr, dgates, nullptr, dh0, dc0, nullptr, nullptr};
   const int bsmem = BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total;
-  if (bt == 1) launch(rnn_backward_kernel<Cell::kLSTM, 1, float>, ba, nc, nc, bsmem);
-  else if (bt == 4) launch(rnn_backward_kernel<Cell::kLSTM, 4, float>, ba, nc, nc, bsmem);
-  else launch(rnn_backward_kernel<Cell::kLSTM, 8, float>, ba, nc, nc, bsmem);
+  if (bt == 1) launch(rnn_backward_kernel<Cell::kLSTM, 1, float, false>, ba, nc, nc, bsmem);
+  else if (bt == 4) launch(rnn_backward_kernel<Cell::kLSTM, 4, float, false>, ba, nc, nc, bsmem);
+  else launch(rnn_backward_kernel<Cell::kLSTM, 8, float, false>, ba, nc, nc, bsmem);
   report(1, 6, T, bnames);
+  if (regs_b) {
+    printf(" W_hh in registers:\n");
+    launch(rnn_backward_kernel<Cell::kLSTM, 1, float, true>, ba, nc, nc, bsmem);
+    report(1, 6, T, bnames);
+  }
   return 0;
 }

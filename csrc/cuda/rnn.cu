@@ -69,14 +69,15 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 }
 
 // Clocks of one forward step (the backward step moves the same bytes): shared-memory reads of W
-// at 128 B/clock or FMAs at 128/clock, the cell, the exchange and the barrier. The exchange terms
+// at 128 B/clock (none when W is in registers) or FMAs at 128/clock, the cell, the exchange and
+// the barrier. The exchange terms
 // are fitted to the step timings of benchmarks/probe/step_timing.cu on an H200 (cluster of 16,
 // hidden 256: about 2,750 clocks plus 1,400 per sample of the block, most of it the stores into
 // the peers and the release that waits for them), so more groups with fewer samples each win
 // while they fit on the GPU at once.
-double step_clocks(Sync sync, int G, int hs, int H, int bs, int nc, int groups, int wbytes) {
+double step_clocks(Sync sync, int G, int hs, int H, int bs, int nc, int groups, int wbytes, bool regs) {
   const double R = G * hs, K = round_up(H, 4);
-  const double products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
+  const double products = std::max(regs ? 0.0 : R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
   const double cell = 550.0;
   double exchange = 300.0 + 150.0 * bs;
   if (sync == Sync::kCluster) exchange = 1200.0 + bs * (400.0 + 60.0 * nc);
@@ -106,17 +107,21 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
     const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
-    const void* fk = forward_kernel(cell, w, bt);
-    const void* bk = backward_kernel(cell, w, bt);
+    // One fp32 sample per group: W_hh in registers where a thread's share fits.
+    const bool one = bs == 1 && w == Weights::kFP32;
+    const bool regs_f = one && fits_registers(G * hs, round_up(H, 4) / 4);
+    const bool regs_b = one && fits_registers(H, round_up(G * hs, 4) / 4);
+    const void* fk = forward_kernel(cell, w, bt, regs_f);
+    const void* bk = backward_kernel(cell, w, bt, regs_b);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p));
     if (resident > 0) {
-      const double clocks =
-          ceil_div(groups, resident) * step_clocks(sync, G, hs, H, bs, nc, std::min(groups, resident), wbytes);
+      const double clocks = ceil_div(groups, resident) *
+                            step_clocks(sync, G, hs, H, bs, nc, std::min(groups, resident), wbytes, regs_f && regs_b);
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, fwd, bwd};
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, regs_f, regs_b, fwd, bwd};
         found = true;
       }
     }
@@ -146,16 +151,16 @@ bool grid_plan(Cell cell, Weights w, int H, int B, const cudaDeviceProp& p, int 
     if (bwd > static_cast<int64_t>(p.sharedMemPerBlockOptin)) continue;
     // The forward kernel's batch tile follows the chunk; one bt for both keeps one plan field.
     const int fbt = batch_tile(g.chunk);
-    const void* fk = forward_kernel(cell, w, fbt);
-    const void* bk = backward_kernel(cell, w, bt);
+    const void* fk = forward_kernel(cell, w, fbt, false);
+    const void* bk = backward_kernel(cell, w, bt, false);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, nc, groups, wbytes);
+    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, nc, groups, wbytes, false);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fwd, bwd};
+      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, fwd, bwd};
       found = true;
     }
   }
@@ -200,7 +205,12 @@ std::string LayerPlan::describe() const {
   static const char* names[] = {"local", "cluster", "grid"};
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
-         (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") + ", shared memory " +
+         (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") +
+         (regs_forward || regs_backward
+              ? std::string(", W_hh in registers (") + (regs_forward ? "forward" : "") +
+                    (regs_forward && regs_backward ? " and " : "") + (regs_backward ? "backward" : "") + ")"
+              : "") +
+         ", shared memory " +
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
 }
 
@@ -277,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
-  launch(forward_kernel(z.cell, z.weights, bt), a, plan, plan.smem_forward,
+  launch(forward_kernel(z.cell, z.weights, bt, plan.regs_forward), a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
@@ -317,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(backward_kernel(z.cell, z.weights, plan.bt), a, plan, plan.smem_backward,
+  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.regs_backward), a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }

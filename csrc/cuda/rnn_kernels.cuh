@@ -60,6 +60,9 @@ constexpr int kWarps = kThreads / 32;
 // (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
+// W_hh in registers (RegTile below): float4 chunks of each of its kRowTile rows a thread holds,
+// 2 x 8 x 4 = 64 registers.
+constexpr int kRegChunks = 8;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -149,26 +152,45 @@ struct BackwardSmem {
 };
 
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
-// (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE).
-const void* forward_kernel(Cell c, Weights w, int bt);
-const void* backward_kernel(Cell c, Weights w, int bt);
+// (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `regs`: the
+// variant that keeps W_hh in registers (fp32, batch tile 1; fits_registers says when it applies).
+const void* forward_kernel(Cell c, Weights w, int bt, bool regs);
+const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
 
-#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT)            \
-  switch (bt) {                                       \
-    case 1: return (const void*)KERNEL<C, 1, WT>;     \
-    case 2: return (const void*)KERNEL<C, 2, WT>;     \
-    case 4: return (const void*)KERNEL<C, 4, WT>;     \
-    default: return (const void*)KERNEL<C, 8, WT>;    \
+#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT)                   \
+  switch (bt) {                                              \
+    case 1: return (const void*)KERNEL<C, 1, WT, false>;     \
+    case 2: return (const void*)KERNEL<C, 2, WT, false>;     \
+    case 4: return (const void*)KERNEL<C, 4, WT, false>;     \
+    default: return (const void*)KERNEL<C, 8, WT, false>;    \
   }
 #define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                                  \
-  const void* NAME(Cell c, Weights w, int bt) {                                               \
+  const void* NAME(Cell c, Weights w, int bt, bool regs) {                                    \
     if (c == Cell::kLSTM) {                                                                   \
+      if (w == Weights::kFP32 && regs) return (const void*)KERNEL<Cell::kLSTM, 1, float, true>; \
       if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float)                \
       VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)                                 \
     }                                                                                         \
+    if (w == Weights::kFP32 && regs) return (const void*)KERNEL<Cell::kGRU, 1, float, true>;  \
     if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)                   \
     VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                                    \
   }
+
+// Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:
+// they combine with shuffles) and at most one float4 chunk each.
+__host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
+  const int tiles = ceil_div(rows, kRowTile) * ceil_div(nb, bt);
+  int ks = 1;
+  while (ks < 32 && tiles * ks * 2 <= kThreads && ks * 2 <= k4n) ks *= 2;
+  return ks;
+}
+
+// Whether one sample's products over `rows` rows of W and k4n float4 chunks can hold W in
+// registers: one product tile per thread (one pass) and at most kRegChunks chunks per lane.
+__host__ __device__ inline bool fits_registers(int rows, int k4n) {
+  const int ks = split_lanes(rows, 1, 1, k4n);
+  return ceil_div(rows, kRowTile) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
+}
 
 #if defined(__CUDACC__)
 
@@ -254,15 +276,6 @@ struct GroupBarrier {
   }
 };
 
-// Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:
-// they combine with shuffles) and at most one float4 chunk each.
-__device__ __forceinline__ int split_lanes(int rows, int nb, int bt, int k4n) {
-  const int tiles = ceil_div(rows, kRowTile) * ceil_div(nb, bt);
-  int ks = 1;
-  while (ks < 32 && tiles * ks * 2 <= kThreads && ks * 2 <= k4n) ks *= 2;
-  return ks;
-}
-
 // store(b, r, sum_k W[r * ldw + k] * v[b * ldv + k]) for r < rows, b < nb, k < 4 * k4n.
 // Tiles of kRowTile rows x BT samples per thread group of `ks` consecutive lanes, which split k in
 // interleaved float4 chunks and combine with a butterfly: a fixed order, the same bits every run.
@@ -323,6 +336,66 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
   }
 }
 
+// One sample's products with W held in registers: at batch 1, reading W from shared memory every
+// step is what bounds the products (64 KB per block at hidden 256, ~500 clocks at 128 B/clock);
+// here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of its matvec
+// tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read, and sums them in the same
+// order, so the results have the same bits as matvec<1>. Needs fits_registers(rows, k4n).
+struct RegTile {
+  float4 w[kRowTile][kRegChunks];
+  int ks;
+
+  template <typename WT>
+  __device__ __forceinline__ void load(const WT* W, int ldw, int rows, int k4n) {
+    ks = split_lanes(rows, 1, 1, k4n);
+    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRowTile) - 1);
+    const int q = threadIdx.x % ks;
+#pragma unroll
+    for (int c = 0; c < kRegChunks; ++c) {
+      const int k4 = q + c * ks;
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i)
+        w[i][c] = k4 < k4n ? load4(W + (tile * kRowTile + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+
+  // store(0, r, sum_k W[r][k] * v[k]) for r < rows.
+  template <typename Store>
+  __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, Store&& store) const {
+    const int nrt = ceil_div(rows, kRowTile);
+    const int tile_raw = static_cast<int>(threadIdx.x) / ks, tile = min(tile_raw, nrt - 1);
+    const int q = threadIdx.x % ks, r0 = tile * kRowTile;
+    float acc[kRowTile];
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kRegChunks; ++c) {
+      const int k4 = q + c * ks;
+      if (k4 >= k4n) break;
+      const float4 x = *reinterpret_cast<const float4*>(v + 4 * k4);
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i) {
+        acc[i] = fmaf(w[i][c].x, x.x, acc[i]);
+        acc[i] = fmaf(w[i][c].y, x.y, acc[i]);
+        acc[i] = fmaf(w[i][c].z, x.z, acc[i]);
+        acc[i] = fmaf(w[i][c].w, x.w, acc[i]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      if (off < ks) {
+#pragma unroll
+        for (int i = 0; i < kRowTile; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+      }
+    }
+    if (q == 0 && tile_raw < nrt) {
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i)
+        if (r0 + i < rows) store(0, r0 + i, acc[i]);
+    }
+  }
+};
+
 // This thread's (sample, unit) pairs of the block: item i is pair tid + i * kThreads of the
 // row-major bv x hv grid; b = -1 past the end.
 struct Items {
@@ -376,7 +449,7 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
 }
 
-template <Cell C, int BT, typename WT>
+template <Cell C, int BT, typename WT, bool kRegs>
 __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -434,6 +507,8 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = it.b[i] >= 0 && a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
   __syncthreads();
+  RegTile wr;
+  if constexpr (kRegs) wr.load(w_s, ldw, R, Kp / 4);
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
@@ -482,6 +557,8 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
                    [&](int b, int r, float v) { gates_s[(c0 + b) * R + r] = v; });
         __syncthreads();
       }
+    } else if constexpr (kRegs) {
+      wr.matvec(R, Kp / 4, h_s + cur * hbuf, [&](int, int r, float v) { gates_s[r] = v; });
     } else {
       matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
@@ -563,7 +640,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
 #endif
 }
 
-template <Cell C, int BT, typename WT>
+template <Cell C, int BT, typename WT, bool kRegs>
 __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -603,6 +680,8 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   }
   const Items it(bv, hv);
   __syncthreads();
+  RegTile wr;
+  if constexpr (kRegs) wr.load(wt_s, ldt, H, Rp / 4);
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
@@ -707,7 +786,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
     float* recv_next = recv_s + cur * g.nc * g.bs * hs;
     float* part = grid ? xchg(cur, rank) : nullptr;
-    matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, [&](int b, int k, float v) {
+    auto deliver = [&](int b, int k, float v) {
       if (grid) {
         __stcg(part + static_cast<int64_t>(b) * H + k, v);
       } else {
@@ -715,7 +794,11 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
         float* to = cluster ? cg::this_cluster().map_shared_rank(recv_next, owner) : recv_next;
         to[(rank * g.bs + b) * hs + (k - owner * hs)] = v;
       }
-    });
+    };
+    if constexpr (kRegs)
+      wr.matvec(H, Rp / 4, dg_s, deliver);
+    else
+      matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
     VLSEQ_MARK(1, 3, s);
     bar.arrive();
     VLSEQ_MARK(1, 4, s);
