@@ -15,8 +15,9 @@
 //             run.
 // Three ways to exchange, chosen by the host (Sync):
 //   kLocal   nc = 1: the block's own shared memory, __syncthreads.
-//   kCluster nc <= 16 blocks of one thread-block cluster: stores into the other blocks' shared
-//            memory (distributed shared memory) and one cluster barrier per step.
+//   kCluster nc <= 16 blocks of one thread-block cluster: st.async stores into the other blocks'
+//            shared memory (distributed shared memory), each counting its bytes on the receiver's
+//            mbarrier (Mailbox below); a block waits only until its own bytes have arrived.
 //   kGrid    W_hh too large for a cluster: the exchange goes through global memory (L2) and a
 //            barrier on a per-group arrival counter (grid_barrier below). The host launches it
 //            cooperatively, which guarantees that every block of the grid is resident at once, so
@@ -25,12 +26,18 @@
 // Synchronisation protocol (why every buffer is safe to reuse)
 // ------------------------------------------------------------
 // Exchange buffers are double-buffered by step parity, and each step ends with one group barrier
-// (bar() below: __syncthreads / cluster barrier with release-acquire semantics / grid barrier).
+// (GroupBarrier below: __syncthreads / grid barrier) or, in a cluster, with the wait for this
+// block's bytes of the step (Mailbox below).
 // At step s a block reads the buffer of parity s (written by every block at step s-1, before
 // barrier s-1) and writes the buffer of parity s+1. A block can only write parity s+1 again at
 // step s+2, after passing barrier s+1, which every block reaches only after finishing step s+1 and
 // therefore its reads of parity s+1 at step s+1... and its reads of that parity at step s were
-// before barrier s. So no block overwrites a buffer another block may still read. Blocks
+// before barrier s. So no block overwrites a buffer another block may still read. In a cluster the
+// same holds without a barrier: a block stores into parity s+1 again at step s+2 only after it has
+// received every block's step s+1 data, which each block sends after its step s reads of that
+// buffer are done (a __syncthreads orders them); the receiver arms the buffer's mbarrier for a
+// step only after its wait for the buffer's previous fill, and that fill's phase parity is
+// (fill index) & 1. Blocks
 // initialise only their own buffers' padding (never entries others write), and a barrier after the
 // set-up guarantees that every block of a cluster has started before the first remote store.
 // Global exchange buffers are read with ld.global.cg (L2, never a stale L1 line).
@@ -117,7 +124,7 @@ struct BackwardArgs {
 
 // Byte offsets into dynamic shared memory; the host sizes the launch with the same arithmetic.
 struct ForwardSmem {
-  int w, h, gates, hown, cown, lens, total;
+  int w, h, gates, hown, cown, lens, bars, total;
   __host__ __device__ ForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
@@ -127,6 +134,7 @@ struct ForwardSmem {
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
     cown = off, off += round_up(g.bs * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
+    bars = off, off += 16;
     total = off;
   }
 };
@@ -136,7 +144,7 @@ struct ForwardSmem {
 __host__ __device__ constexpr int backward_fields(Cell c) { return c == Cell::kLSTM ? 7 : 6; }
 
 struct BackwardSmem {
-  int wt, dg, recv, dh, dc, ddir, lens, total;
+  int wt, dg, recv, dh, dc, ddir, lens, bars, total;
   __host__ __device__ BackwardSmem(const Geometry& g, int G, int wbytes, int bt, int F) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
     int off = 0;
@@ -147,6 +155,7 @@ struct BackwardSmem {
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
+    bars = off, off += 16;
     total = off;
   }
 };
@@ -175,6 +184,57 @@ const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
     if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)                   \
     VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                                    \
   }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The exchange of a cluster. Each block has one mbarrier per buffer parity (arrival count 1):
+// thread 0 arms it for a step with the bytes the step will bring (mbarrier.arrive.expect_tx; the
+// peers' bytes may arrive before it does, the transaction count may go below zero meanwhile), the
+// senders' st.async stores count their bytes on it (complete_tx, release at cluster scope), and the
+// phase completes when every byte has arrived. The waiters acquire at cluster scope, which makes the
+// stored data visible to them. Unlike a cluster barrier, nobody waits for the slowest block's
+// release of its stores, only for the bytes it needs.
+struct Mailbox {
+  uint32_t bars;  // this block's two mbarriers (shared::cta address)
+
+  __device__ __forceinline__ explicit Mailbox(uint64_t* b) : bars(smem_u32(b)) {
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < 2; ++p) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8 * p) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // before the set-up's cluster barrier
+    }
+  }
+  __device__ __forceinline__ void expect(int parity, uint32_t bytes) const {
+    if (threadIdx.x == 0)  // no arrival token (_): the wait goes by phase parity
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bars + 8 * parity), "r"(bytes)
+                   : "memory");
+  }
+  __device__ __forceinline__ void wait(int parity, uint32_t phase) const {
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+          " selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done) : "r"(bars + 8 * parity), "r"(phase) : "memory");
+    }
+  }
+  // The address in block `rank` of the cluster of this block's shared-memory address `local`.
+  __device__ __forceinline__ static uint32_t peer(uint32_t local, int rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+  }
+  __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float v) const {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
+                 ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
+  }
+  __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
+                 "r"(peer(bars + 8 * parity, rank)) : "memory");
+  }
+};
 
 // Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:
 // they combine with shuffles) and at most one float4 chunk each.
@@ -206,6 +266,8 @@ __device__ long long g_step_clock[2][8][4096];
 // Activations with the fast exponential and division: ~2e-7 absolute error, far inside the 1e-5
 // relative bar against float64, and a short dependency chain (the cell is on every step's path).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// tanh the same way (tanhf is a longer polynomial chain): 1 - 2 / (1 + e^2x), exactly +-1 in the limits.
+__device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)); }
 
 template <typename WT>
 __device__ __forceinline__ WT to_weight(float v);
@@ -236,9 +298,9 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 // this block's exchange writes, wait() returns when every block of the group has arrived and makes
 // their writes visible.
 //   kLocal   wait() is __syncthreads.
-//   kCluster barrier.cluster.arrive.release / wait.acquire. Global stores made between the two are
-//            not ordered by this barrier (nothing in the kernel reads them); they have a whole step to
-//            drain before the next arrive.release must wait for them.
+//   kCluster barrier.cluster.arrive.release / wait.acquire, once after the set-up (every block has
+//            started and initialised its mbarriers before the first remote store); the steps use the
+//            Mailbox.
 //   kGrid    a per-group counter that only grows: barrier n is complete when it reaches n * nc.
 //            Thread 0 publishes the block's global writes (ordered before it by __syncthreads) with a
 //            fence and the atomic, and spins on acquire loads; the closing __syncthreads hands that
@@ -450,7 +512,7 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
 }
 
 template <Cell C, int BT, typename WT, bool kRegs>
-__global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   const Geometry& g = a.g;
@@ -469,6 +531,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
   float* hown = reinterpret_cast<float*>(smem + lay.hown);
   float* cown = reinterpret_cast<float*>(smem + lay.cown);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
   const int hbuf = round_up(g.chunk, BT) * Kp;  // floats per h buffer
   // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
   auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
@@ -534,8 +597,11 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
 
   const int ks = split_lanes(R, grid ? g.chunk : bv, BT, Kp / 4);
   prefetch(0);
+  // Sent per unit, or per 4 units where the rows of h_s and hown stay 16-byte aligned.
+  const int vec = hs % 4 == 0 && hv % 4 == 0 ? 4 : 1, sends_per_row = hv / vec;
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
+    if (cluster) mbox.expect(cur ^ 1, static_cast<uint32_t>(bv * H * 4));
     float x[kMaxItems][G];
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i)
@@ -579,10 +645,10 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       if constexpr (C == Cell::kLSTM) {
         const float ig = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
         const float fg = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float gg = tanhf(x[i][2] + (gb[2 * hs] + bias[i][2]));
+        const float gg = tanh_fast(x[i][2] + (gb[2 * hs] + bias[i][2]));
         const float og = sigmoid(x[i][3] + (gb[3 * hs] + bias[i][3]));
         const float c = fg * cown[b * hs + j] + ig * gg;
-        const float h = og * tanhf(c);
+        const float h = og * tanh_fast(c);
         cown[b * hs + j] = c;
         hown[b * hs + j] = h;
         out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
@@ -590,7 +656,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
         const float ghn = gb[2 * hs] + bias[i][2];
         const float r = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
         const float z = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float n = tanhf(x[i][2] + r * ghn);
+        const float n = tanh_fast(x[i][2] + r * ghn);
         const float h = (1.0f - z) * n + z * hown[b * hs + j];
         hown[b * hs + j] = h;
         out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
@@ -604,16 +670,24 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
       float* dst = xchg(cur ^ 1);
       for (int b = warp; b < bv; b += kWarps)
         for (int j = lane; j < hv; j += 32) __stcg(dst + static_cast<int64_t>(b) * Kp + j0 + j, hown[b * hs + j]);
+    } else if (cluster) {
+      const uint32_t next = smem_u32(h_s + (cur ^ 1) * hbuf);
+      for (int e = tid; e < g.nc * bv * sends_per_row; e += kThreads) {
+        const int dst = e / (bv * sends_per_row), rem = e - dst * bv * sends_per_row;
+        const int b = rem / sends_per_row, j = (rem - b * sends_per_row) * vec;
+        const uint32_t to = next + 4 * (b * Kp + j0 + j);
+        if (vec == 4)
+          mbox.send(dst, to, cur ^ 1, *reinterpret_cast<const float4*>(hown + b * hs + j));
+        else
+          mbox.send(dst, to, cur ^ 1, hown[b * hs + j]);
+      }
     } else {
       float* next = h_s + (cur ^ 1) * hbuf;
-      for (int row = warp; row < g.nc * bv; row += kWarps) {
-        const int dst = row / bv, b = row - dst * bv;
-        float* to = cluster ? cg::this_cluster().map_shared_rank(next, dst) : next;
-        for (int j = lane; j < hv; j += 32) to[b * Kp + j0 + j] = hown[b * hs + j];
-      }
+      for (int row = warp; row < bv; row += kWarps)
+        for (int j = lane; j < hv; j += 32) next[row * Kp + j0 + j] = hown[row * hs + j];
     }
     VLSEQ_MARK(0, 4, s);
-    bar.arrive();
+    if (!cluster) bar.arrive();
     VLSEQ_MARK(0, 5, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
@@ -626,7 +700,10 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
     }
     prefetch(s + 1);
     VLSEQ_MARK(0, 6, s);
-    bar.wait();
+    if (cluster)
+      mbox.wait(cur ^ 1, (s >> 1) & 1);
+    else
+      bar.wait();
     VLSEQ_MARK(0, 7, s);
   }
 #pragma unroll
@@ -641,7 +718,7 @@ __global__ void __launch_bounds__(kThreads) rnn_forward_kernel(const ForwardArgs
 }
 
 template <Cell C, int BT, typename WT, bool kRegs>
-__global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int F = backward_fields(C);
@@ -650,7 +727,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   const int Kp = round_up(H, 4), Rp = round_up(R, 4), ldt = Rp + 4;
   const Block blk(g);
   const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -662,6 +739,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   float* dc_s = reinterpret_cast<float*>(smem + lay.dc);
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
   // Partial dh of unit j0 + j of sample b from block q, exchanged at a step of parity `parity`.
   auto xchg = [&](int parity, int q) {
     return a.xchg + ((static_cast<int64_t>(parity) * groups + group) * g.nc + q) * g.bs * H;
@@ -733,6 +811,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
   prefetch(smax - 1);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
+    if (cluster) mbox.expect(cur, static_cast<uint32_t>(g.nc * bv * hv * 4));
     float p[kMaxItems][F];
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i)
@@ -761,7 +840,7 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
       const float dht = dhc + p[i][F - 1];
       if constexpr (C == Cell::kLSTM) {
         const float ig = p[i][0], fg = p[i][1], gg = p[i][2], og = p[i][3], ct = p[i][4], cp = p[i][5];
-        const float tc = tanhf(ct);
+        const float tc = tanh_fast(ct);
         const float dct = dc_s[at] + dht * og * (1.0f - tc * tc);
         out[i][0] = dct * gg * ig * (1.0f - ig);
         out[i][1] = dct * cp * fg * (1.0f - fg);
@@ -787,20 +866,20 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     float* recv_next = recv_s + cur * g.nc * g.bs * hs;
     float* part = grid ? xchg(cur, rank) : nullptr;
     auto deliver = [&](int b, int k, float v) {
-      if (grid) {
+      const int owner = k / hs, at = (rank * g.bs + b) * hs + (k - owner * hs);
+      if (grid)
         __stcg(part + static_cast<int64_t>(b) * H + k, v);
-      } else {
-        const int owner = k / hs;
-        float* to = cluster ? cg::this_cluster().map_shared_rank(recv_next, owner) : recv_next;
-        to[(rank * g.bs + b) * hs + (k - owner * hs)] = v;
-      }
+      else if (cluster)
+        mbox.send(owner, smem_u32(recv_next + at), cur, v);
+      else
+        recv_next[at] = v;
     };
     if constexpr (kRegs)
       wr.matvec(H, Rp / 4, dg_s, deliver);
     else
       matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
     VLSEQ_MARK(1, 3, s);
-    bar.arrive();
+    if (!cluster) bar.arrive();
     VLSEQ_MARK(1, 4, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
@@ -812,7 +891,10 @@ __global__ void __launch_bounds__(kThreads) rnn_backward_kernel(const BackwardAr
     }
     prefetch(s - 1);
     VLSEQ_MARK(1, 5, s);
-    bar.wait();
+    if (cluster)
+      mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
+    else
+      bar.wait();
     VLSEQ_MARK(1, 6, s);
   }
 #pragma unroll
