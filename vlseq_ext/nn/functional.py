@@ -12,6 +12,9 @@ bfloat16 on chip, with float32 state and accumulation.
 """
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -21,7 +24,13 @@ from torch.nn import functional as F
 
 from .. import ops
 
-__all__ = ["rnn", "precision_for", "weights_of"]
+__all__ = ["rnn", "precision_for", "weights_of", "pipeline_chunks"]
+
+# A stack is pipelined over time windows of at least this many steps, at most this many windows:
+# each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
+# costs one window per extra layer.
+PIPELINE_MIN_STEPS = 48
+PIPELINE_MAX_CHUNKS = 8
 
 
 def precision_for(x: Tensor) -> str:
@@ -101,20 +110,226 @@ class _Layer(torch.autograd.Function):
                 dw_ih, dw_hh, db_ih, db_hh)
 
 
+class _Streams:
+    """Per device and thread: the side streams a pipelined stack runs its upper layers on (threads
+    that capture CUDA graphs must not share a stream)."""
+
+    local = threading.local()
+
+    @classmethod
+    def get(cls, device: torch.device, n: int) -> List[torch.cuda.Stream]:
+        cache = cls.local.__dict__.setdefault("streams", {})
+        have = cache.setdefault(device, [])
+        while len(have) < n:
+            have.append(torch.cuda.Stream(device))
+        return have[:n]
+
+
+class _Pipelined(torch.autograd.Function):
+    """A unidirectional stack of layers over time windows ("chunks"), layer l + 1 running window k
+    while layer l runs window k + 1 (each layer on its own stream, an event per window between
+    them); backward runs the windows in reverse, the top layer ahead. A window is a batch with the
+    sample lengths cut to it and the state carried in from the window before (forward: h and c;
+    backward: dh and dc), so every result equals the layer-by-layer one."""
+
+    @staticmethod
+    def forward(ctx, cell: str, precision: str, chunks: int, dropout: float, x: Tensor, lengths: Tensor,
+                h0: Tensor, c0: Optional[Tensor], *weights: Optional[Tensor]):
+        L = len(weights) // 4
+        B, T, _ = x.shape
+        lstm = cell == "lstm"
+        bounds = _windows(T, chunks)
+        main, streams = _streams_for(x, L)
+        masks = [None] * L  # masks[l]: dropout on layer l's input (l >= 1)
+        if dropout:
+            H = weights[1].shape[1]
+            masks = [None] + [x.new_empty(B, T, H, dtype=torch.float32).bernoulli_(1 - dropout).div_(1 - dropout)
+                              for _ in range(L - 1)]
+        lens = [(lengths - t0).clamp(0, t1 - t0) for t0, t1 in bounds]
+        ys = [[None] * len(bounds) for _ in range(L)]
+        saved = [[None] * len(bounds) for _ in range(L)]  # per layer and window: (h0, c0, saved, cs)
+        done = [[None] * len(bounds) for _ in range(L)]
+        h_n, c_n = [None] * L, [None] * L
+        _fork(main, streams)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            for k, (t0, t1) in enumerate(bounds):
+                for l in range(L):
+                    w_ih, w_hh, b_ih, b_hh = weights[4 * l:4 * l + 4]
+                    with _on(streams[l]):
+                        if l and done[l - 1][k] is not None:
+                            streams[l].wait_event(done[l - 1][k])
+                        inp = x[:, t0:t1] if l == 0 else ys[l - 1][k]
+                        if masks[l] is not None:
+                            inp = inp * masks[l][:, t0:t1]
+                        xproj = _gemm(inp.reshape(B * (t1 - t0), -1), w_ih.t(), precision)
+                        if b_ih is not None:
+                            xproj = xproj + b_ih
+                        hk = h0[l] if k == 0 else h_n[l]
+                        ck = (c0[l] if k == 0 else c_n[l]) if lstm else None
+                        y, h_n[l], cn, sv, cs = ops.rnn_forward(
+                            cell, xproj.view(B, t1 - t0, -1), w_hh.contiguous(),
+                            None if b_hh is None else b_hh.contiguous(), hk.contiguous(),
+                            None if ck is None else ck.contiguous(), lens[k], False, precision)
+                        c_n[l] = cn if lstm else None
+                        ys[l][k], saved[l][k] = y, (hk, ck, sv, cs)
+                        done[l][k] = _record(streams[l])
+        _join(main, streams)
+        out = torch.cat(ys[-1], dim=1)
+        h_stack = torch.stack(h_n)
+        c_stack = torch.stack(c_n) if lstm else h_stack.new_empty(0)
+        _settle(main, streams)
+        ctx.meta = (cell, precision, bounds, L)
+        ctx.set_materialize_grads(False)
+        if not lstm:
+            ctx.mark_non_differentiable(c_stack)
+        ctx.save_for_backward(x, *weights[0::4], *weights[1::4])
+        ctx.chunks = (lens, ys, saved, masks, [w is not None for w in weights])
+        return out, h_stack, c_stack
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor]):
+        cell, precision, bounds, L = ctx.meta
+        x, *ws = ctx.saved_tensors
+        w_ihs, w_hhs = ws[:L], ws[L:]
+        lens, ys, saved, masks, present = ctx.chunks
+        lstm = cell == "lstm"
+        B, T, D = x.shape
+        H = w_hhs[0].shape[1]
+        last = len(bounds) - 1
+        main, streams = _streams_for(x, L)
+        dgates = [[None] * len(bounds) for _ in range(L)]
+        dgates_hn = [[None] * len(bounds) for _ in range(L)]
+        dins = [[None] * len(bounds) for _ in range(L)]  # d (layer l's input) per window
+        done = [[None] * len(bounds) for _ in range(L)]
+        dh0, dc0 = [None] * L, [None] * L
+        grads = [None] * (4 * L)
+        _fork(main, streams)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            for k in reversed(range(len(bounds))):
+                t0, t1 = bounds[k]
+                for l in reversed(range(L)):
+                    with _on(streams[l]):
+                        if l < L - 1 and done[l + 1][k] is not None:
+                            streams[l].wait_event(done[l + 1][k])
+                        dy = (None if dout is None else dout[:, t0:t1].contiguous()) if l == L - 1 else dins[l + 1][k]
+                        if k == last:
+                            dh = None if dh_n is None else dh_n[l].contiguous()
+                            dc = None if dc_n is None or not lstm else dc_n[l].contiguous()
+                        else:
+                            dh, dc = dh0[l], dc0[l]
+                        hk, ck, sv, cs = saved[l][k]
+                        dg, dg_hn, dh0[l], dcl = ops.rnn_backward(
+                            cell, w_hhs[l].contiguous(), ys[l][k], sv, cs, hk.contiguous(),
+                            None if ck is None else ck.contiguous(), lens[k], dy, dh, dc, False, precision)
+                        dc0[l] = dcl if lstm else None
+                        dgates[l][k], dgates_hn[l][k] = dg, dg_hn
+                        if l > 0 or ctx.needs_input_grad[4]:
+                            din = _gemm(dg.view(B * (t1 - t0), -1), w_ihs[l], precision).view(B, t1 - t0, -1)
+                            dins[l][k] = din * masks[l][:, t0:t1] if masks[l] is not None else din
+                        done[l][k] = _record(streams[l])
+                        if k == 0:  # the layer's weight gradients, beside the lower layers' last windows
+                            grads[4 * l:4 * l + 4] = _weight_grads(
+                                cell, precision, torch.cat(dgates[l], 1), None if lstm else torch.cat(dgates_hn[l], 1),
+                                _layer_input(x, ys, masks, l), torch.cat(ys[l], 1), saved[l][0][0],
+                                present[4 * l:4 * l + 4], H)
+        _join(main, streams)
+        dx = torch.cat(dins[0], 1) if ctx.needs_input_grad[4] else None
+        dh0_all = torch.stack(dh0) if ctx.needs_input_grad[6] else None
+        dc0_all = torch.stack(dc0) if lstm and ctx.needs_input_grad[7] else None
+        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[8:])]
+        _settle(main, streams)
+        return (None, None, None, None, dx, None, dh0_all, dc0_all, *grads)
+
+
+def _windows(T: int, chunks: int) -> List[Tuple[int, int]]:
+    step = -(-T // chunks)
+    return [(t0, min(T, t0 + step)) for t0 in range(0, T, step)]
+
+
+def _streams_for(x: Tensor, layers: int):
+    """The main (current) stream and one stream per layer (layer 0 on the main one); None off the GPU."""
+    if not x.is_cuda:
+        return None, [None] * layers
+    main = torch.cuda.current_stream(x.device)
+    return main, [main] + _Streams.get(x.device, layers - 1)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record(stream):
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _fork(main, streams) -> None:
+    for s in streams[1:]:
+        if s is not None:
+            s.wait_stream(main)
+
+
+def _join(main, streams) -> None:
+    for s in streams[1:]:
+        if s is not None:
+            main.wait_stream(s)
+
+
+def _settle(main, streams) -> None:
+    """The side streams wait for the main stream's reads of their tensors: memory a side stream
+    allocated is reused only by that stream, so its later work must come after those reads."""
+    _fork(main, streams)
+
+
+def _layer_input(x: Tensor, ys, masks, l: int) -> Tensor:
+    if l == 0:
+        return x
+    inp = torch.cat(ys[l - 1], 1)
+    return inp * masks[l] if masks[l] is not None else inp
+
+
+def _weight_grads(cell, precision, dg, dg_hn, inp, y, h0, present, H) -> List[Optional[Tensor]]:
+    """[dw_ih, dw_hh, db_ih, db_hh] of one forward-direction layer from its gate gradients over the
+    whole sequence."""
+    B, T, D = inp.shape
+    dgx = dg.reshape(B * T, -1)
+    dw_ih = _gemm(dgx.t(), inp.reshape(B * T, D), precision)
+    dgh = dgx if cell == "lstm" else torch.cat([dg[..., :2 * H], dg_hn], dim=-1).reshape(B * T, -1)
+    dw_hh = _gemm(dgh.t(), _previous_states(y, h0, None, False).reshape(B * T, H), precision)
+    return [dw_ih, dw_hh, dgx.sum(0) if present[2] else None, dgh.sum(0) if present[3] else None]
+
+
+def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
+    """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
+    only when every layer's launch (`plan`, from ops.rnn_plan) can be resident beside the others,
+    so that the windows of different layers really run at once; never for the grid layout, whose
+    cooperative launch must have the whole GPU's worth of blocks resident."""
+    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
+    if layers < 2 or not m or int(m.group(2)) * int(m.group(3)) * layers > sm_count:
+        return 1
+    return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
+
+
 def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[Tensor]]:
     """[w_ih, w_hh, b_ih, b_hh] of one layer and direction (biases None when bias=False)."""
     suffix = "_reverse" if reverse else ""
     return [getattr(module, f"{name}_l{layer}{suffix}", None) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
 
 
-def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None,
+        chunks: int = 1) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Runs `module` (an nn.LSTM or nn.GRU, float32, on CUDA or CPU) on the kernels.
 
     x: (B, T, input_size), zero-padded after each sample's end; lengths: (B,) int64 on x's device;
     hx: None, h0, or (h0, c0) for an LSTM, each (num_layers * directions, B, hidden_size).
     Returns (output (B, T, directions * hidden_size), h_n, c_n (None for a GRU)), output zero at
     padded steps and h_n/c_n the states after each sample's own last step (step 0 for the reverse
-    direction). Training mode applies the module's inter-layer dropout."""
+    direction). Training mode applies the module's inter-layer dropout. chunks > 1 pipelines a
+    unidirectional stack over that many time windows (see _Pipelined; pipeline_chunks chooses it)."""
     lstm = isinstance(module, nn.LSTM)
     cell = "lstm" if lstm else "gru"
     dirs = 2 if module.bidirectional else 1
@@ -129,6 +344,12 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None) -> Tuple[Tensor
         h0, c0 = hx, None
     precision = precision_for(x)
     layer_in = x.float() if precision == "bf16" else x
+    if chunks > 1 and dirs == 1 and module.num_layers > 1:
+        weights = [w for layer in range(module.num_layers) for w in weights_of(module, layer, False)]
+        dropout = module.dropout if module.training else 0.0
+        out, h_n, c_n = _Pipelined.apply(cell, precision, chunks, dropout, layer_in, lengths, h0, c0 if lstm else None,
+                                         *weights)
+        return out, h_n, (c_n if lstm else None)
     h_out, c_out = [], []
     for layer in range(module.num_layers):
         outs = []

@@ -93,6 +93,13 @@ class _KernelRNN:
             cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device)
         return cache[key]
 
+    def _chunks(self, x: Tensor, batch: int, steps: int) -> int:
+        """Time windows to pipeline the layers over (functional.pipeline_chunks); 1 off the GPU."""
+        if not x.is_cuda or self.bidirectional or self.num_layers < 2:
+            return 1
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return functional.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
+
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
         lengths, i.e. lengths or a PackedSequence were given)."""
@@ -134,7 +141,7 @@ class _KernelRNN:
         else:
             steps = lengths if lengths is not None else torch.full((B,), T, dtype=torch.long, device=x.device)
             self._check_state(hx, B, x)
-            out, h_n, c_n = functional.rnn(self, x, steps, hx)
+            out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T))
             state = (h_n, c_n) if isinstance(self, nn.LSTM) else h_n
         if unbatched:
             out = out.squeeze(0)
@@ -198,7 +205,7 @@ class _KernelRNN:
         B = x.shape[0]
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx)
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, x.shape[0], x.shape[1]))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
             out = out.index_select(0, packed.sorted_indices)

@@ -1,0 +1,83 @@
+"""The layer pipeline of vlseq_ext.nn.functional (a unidirectional stack run over time windows, the
+windows of different layers side by side on the GPU): the same outputs, final states and gradients as
+layer after layer, for any window count, lengths that end before, inside and at a window's edge, given
+states, no biases, and inter-layer dropout (its masks drawn as documented). Runs on the CPU kernels;
+the GPU tests run it on the streams (tests/test_rnn_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vlseq_ext.nn import functional
+
+pytestmark = pytest.mark.usefixtures("compiled_ops")
+
+
+def run(module, x, lengths, hx, chunks, up):
+    x = x.detach().clone().requires_grad_()
+    hx = None if hx is None else tuple(h.detach().clone().requires_grad_() for h in hx)
+    state = None if hx is None else (hx if isinstance(module, nn.LSTM) else hx[0])
+    out, h_n, c_n = functional.rnn(module, x, lengths, state, chunks=chunks)
+    loss = (out * up[0]).sum() + (h_n * up[1]).sum() + (0 if c_n is None else (c_n * up[2]).sum())
+    ins = [x, *(hx or ()), *module.parameters()]
+    return [out, h_n] + ([] if c_n is None else [c_n]) + list(torch.autograd.grad(loss, ins))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+@pytest.mark.parametrize("layers,bias,with_state", [(2, True, True), (3, False, False)])
+def test_windows_equal_layer_after_layer(rand, cls, chunks, layers, bias, with_state):
+    torch.manual_seed(rand.seed % 2**31)
+    module = cls(3, 5, num_layers=layers, bias=bias, batch_first=True)
+    T = 20
+    lengths = torch.tensor([20, 1, 7, 10, 13, 3])  # inside, before and at the edges of the windows
+    x = rand.randn(len(lengths), T, 3)
+    x[torch.arange(T)[None, :] >= lengths[:, None]] = 0
+    hx = None
+    if with_state:
+        hx = (rand.randn(layers, len(lengths), 5),) + ((rand.randn(layers, len(lengths), 5),) if cls is nn.LSTM else ())
+    up = [rand.randn(len(lengths), T, 5), rand.randn(layers, len(lengths), 5), rand.randn(layers, len(lengths), 5)]
+    want = run(module, x, lengths, hx, 1, up)
+    got = run(module, x, lengths, hx, chunks, up)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"result {i}: {m}")
+
+
+def test_dropout_masks_between_layers(rand):
+    """Training mode: layer l >= 1 reads its input times a mask drawn, after the seed, as
+    empty(B, T, H).bernoulli_(1 - p) / (1 - p) for l = 1, 2, ... (the same for every window)."""
+    torch.manual_seed(3)
+    module = nn.LSTM(3, 4, num_layers=3, dropout=0.4, batch_first=True).train()
+    lengths = torch.tensor([9, 4, 12])
+    x = rand.randn(3, 12, 3)
+    x[torch.arange(12)[None, :] >= lengths[:, None]] = 0
+    torch.manual_seed(11)
+    out, h_n, c_n = functional.rnn(module, x, lengths, chunks=3)
+    torch.manual_seed(11)
+    masks = [x.new_empty(3, 12, 4).bernoulli_(0.6).div_(0.6) for _ in range(2)]
+    layer_in, hs = x, []
+    for layer in range(3):
+        single = nn.LSTM(layer_in.shape[-1], 4, batch_first=True)
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(single, f"{name}_l0").data.copy_(getattr(module, f"{name}_l{layer}"))
+        y, h, _ = functional.rnn(single, layer_in if layer == 0 else layer_in * masks[layer - 1], lengths)
+        layer_in, hs = y, hs + [h[0]]
+    torch.testing.assert_close(out, layer_in, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h_n, torch.stack(hs), rtol=1e-5, atol=1e-6)
+    assert 0 < (masks[0] == 0).float().mean() < 1  # the masks did drop something
+
+
+def test_pipeline_rule():
+    """Only stacks whose layers' launches fit side by side, never the grid layout, windows of >= 48
+    steps, at most 8."""
+    cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block, shared memory 67/70 KiB"
+    assert functional.pipeline_chunks(cluster, 2, 480, 132) == 8
+    assert functional.pipeline_chunks(cluster, 2, 100, 132) == 2
+    assert functional.pipeline_chunks(cluster, 2, 47, 132) == 1
+    assert functional.pipeline_chunks(cluster, 1, 480, 132) == 1
+    wide = "cluster 8 blocks x 11 groups, 32 units and 3 samples per block, shared memory 140/141 KiB"
+    assert functional.pipeline_chunks(wide, 2, 480, 132) == 1  # 176 blocks > 132 SMs
+    grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 6 samples at a time"
+    assert functional.pipeline_chunks(grid, 2, 480, 1000) == 1
