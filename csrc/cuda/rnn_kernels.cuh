@@ -266,8 +266,6 @@ __device__ long long g_step_clock[2][8][4096];
 // Activations with the fast exponential and division: ~2e-7 absolute error, far inside the 1e-5
 // relative bar against float64, and a short dependency chain (the cell is on every step's path).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
-// tanh the same way (tanhf is a longer polynomial chain): 1 - 2 / (1 + e^2x), exactly +-1 in the limits.
-__device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)); }
 
 template <typename WT>
 __device__ __forceinline__ WT to_weight(float v);
@@ -645,10 +643,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
       if constexpr (C == Cell::kLSTM) {
         const float ig = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
         const float fg = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float gg = tanh_fast(x[i][2] + (gb[2 * hs] + bias[i][2]));
+        const float gg = tanhf(x[i][2] + (gb[2 * hs] + bias[i][2]));
         const float og = sigmoid(x[i][3] + (gb[3 * hs] + bias[i][3]));
         const float c = fg * cown[b * hs + j] + ig * gg;
-        const float h = og * tanh_fast(c);
+        const float h = og * tanhf(c);
         cown[b * hs + j] = c;
         hown[b * hs + j] = h;
         out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
@@ -656,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
         const float ghn = gb[2 * hs] + bias[i][2];
         const float r = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
         const float z = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float n = tanh_fast(x[i][2] + r * ghn);
+        const float n = tanhf(x[i][2] + r * ghn);
         const float h = (1.0f - z) * n + z * hown[b * hs + j];
         hown[b * hs + j] = h;
         out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
@@ -840,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       const float dht = dhc + p[i][F - 1];
       if constexpr (C == Cell::kLSTM) {
         const float ig = p[i][0], fg = p[i][1], gg = p[i][2], og = p[i][3], ct = p[i][4], cp = p[i][5];
-        const float tc = tanh_fast(ct);
+        const float tc = tanhf(ct);
         const float dct = dc_s[at] + dht * og * (1.0f - tc * tc);
         out[i][0] = dct * gg * ig * (1.0f - ig);
         out[i][1] = dct * cp * fg * (1.0f - fg);
