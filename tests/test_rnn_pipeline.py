@@ -1,5 +1,6 @@
 """The layer pipeline of vlseq_ext.nn.functional (a unidirectional stack run over time windows, the
-windows of different layers side by side on the GPU): the same outputs, final states and gradients as
+windows of different layers side by side on the GPU) and its rule, and the rule for running a
+bidirectional layer's two directions at once: the same outputs, final states and gradients as
 layer after layer, for any window count, lengths that end before, inside and at a window's edge, given
 states, no biases, and inter-layer dropout (its masks drawn as documented). Runs on the CPU kernels;
 the GPU tests run it on the streams (tests/test_rnn_gpu.py)."""
@@ -84,3 +85,10 @@ def test_pipeline_rule():
     assert functional.pipeline_chunks(eight, 2, 480, 256) == 8
     grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 6 samples at a time"
     assert functional.pipeline_chunks(grid, 2, 480, 1000) == 1
+
+
+def test_side_by_side_rule():
+    """The two directions of a layer run at once when both launches fit on the GPU together."""
+    assert functional.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
+    assert not functional.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
+    assert not functional.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from .. import ops
 
-__all__ = ["rnn", "precision_for", "weights_of", "pipeline_chunks"]
+__all__ = ["rnn", "precision_for", "weights_of", "pipeline_chunks", "side_by_side"]
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
 # each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
@@ -315,14 +315,21 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
     return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
 
 
+def side_by_side(plan: str, sm_count: int) -> bool:
+    """Whether the two directions of a layer (launch `plan` each) can run at once: both launches
+    resident together, never the grid layout (its cooperative launch needs its whole grid)."""
+    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
+    return bool(m) and 2 * int(m.group(2)) * int(m.group(3)) <= sm_count
+
+
 def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[Tensor]]:
     """[w_ih, w_hh, b_ih, b_hh] of one layer and direction (biases None when bias=False)."""
     suffix = "_reverse" if reverse else ""
     return [getattr(module, f"{name}_l{layer}{suffix}", None) for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
 
 
-def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None,
-        chunks: int = 1) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1,
+        directions_side_by_side: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Runs `module` (an nn.LSTM or nn.GRU, float32, on CUDA or CPU) on the kernels.
 
     x: (B, T, input_size), zero-padded after each sample's end; lengths: (B,) int64 on x's device;
@@ -330,7 +337,9 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None,
     Returns (output (B, T, directions * hidden_size), h_n, c_n (None for a GRU)), output zero at
     padded steps and h_n/c_n the states after each sample's own last step (step 0 for the reverse
     direction). Training mode applies the module's inter-layer dropout. chunks > 1 pipelines a
-    unidirectional stack over that many time windows (see _Pipelined; pipeline_chunks chooses it)."""
+    unidirectional stack over that many time windows (see _Pipelined; pipeline_chunks chooses it);
+    directions_side_by_side runs a bidirectional layer's two directions at once on two streams
+    (side_by_side says when)."""
     lstm = isinstance(module, nn.LSTM)
     cell = "lstm" if lstm else "gru"
     dirs = 2 if module.bidirectional else 1
@@ -351,18 +360,26 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None,
         out, h_n, c_n = _Pipelined.apply(cell, precision, chunks, dropout, layer_in, lengths, h0, c0 if lstm else None,
                                          *weights)
         return out, h_n, (c_n if lstm else None)
+    # The reverse direction on a side stream, beside the forward one (its backward follows it there:
+    # autograd runs a node's backward on its forward's stream).
+    main, streams = _streams_for(x, 2) if dirs == 2 and directions_side_by_side else (None, [None, None])
     h_out, c_out = [], []
     for layer in range(module.num_layers):
         outs = []
+        _fork(main, streams)
         for d in range(dirs):
             k = layer * dirs + d
             w_ih, w_hh, b_ih, b_hh = weights_of(module, layer, bool(d))
-            y, h_n, c_n = _Layer.apply(cell, precision, bool(d), layer_in, lengths, h0[k],
-                                       c0[k] if lstm else None, w_ih, w_hh, b_ih, b_hh)
+            with _on(streams[d]):
+                y, h_n, c_n = _Layer.apply(cell, precision, bool(d), layer_in, lengths, h0[k],
+                                           c0[k] if lstm else None, w_ih, w_hh, b_ih, b_hh)
             outs.append(y)
             h_out.append(h_n)
             c_out.append(c_n)
+        _join(main, streams)
         layer_in = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
         if module.dropout and module.training and layer < module.num_layers - 1:
             layer_in = F.dropout(layer_in, module.dropout, training=True)
-    return layer_in, torch.stack(h_out), (torch.stack(c_out) if lstm else None)
+    result = layer_in, torch.stack(h_out), (torch.stack(c_out) if lstm else None)
+    _settle(main, streams)
+    return result

@@ -100,6 +100,13 @@ class _KernelRNN:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return functional.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
 
+    def _side_by_side(self, x: Tensor, batch: int) -> bool:
+        """Whether the two directions run at once (functional.side_by_side); False off the GPU."""
+        if not x.is_cuda or not self.bidirectional:
+            return False
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return functional.side_by_side(self._plan(batch, x.device), sms)
+
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
         lengths, i.e. lengths or a PackedSequence were given)."""
@@ -141,7 +148,8 @@ class _KernelRNN:
         else:
             steps = lengths if lengths is not None else torch.full((B,), T, dtype=torch.long, device=x.device)
             self._check_state(hx, B, x)
-            out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T))
+            out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T),
+                                           directions_side_by_side=self._side_by_side(x, B))
             state = (h_n, c_n) if isinstance(self, nn.LSTM) else h_n
         if unbatched:
             out = out.squeeze(0)
@@ -205,7 +213,8 @@ class _KernelRNN:
         B = x.shape[0]
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, x.shape[0], x.shape[1]))
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, x.shape[0], x.shape[1]),
+                                       directions_side_by_side=self._side_by_side(x, x.shape[0]))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
             out = out.index_select(0, packed.sorted_indices)
