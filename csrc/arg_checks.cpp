@@ -1,6 +1,7 @@
 #include "vlseq/arg_checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <optional>

@@ -1,5 +1,6 @@
 // CPU kernels for flatten_ / unflatten_. Same conversion rule as the CUDA kernels (dtypes.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

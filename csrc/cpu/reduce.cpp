@@ -1,7 +1,7 @@
 // CPU kernels for the multi-device reduce and broadcast ops. Several "devices" are several CPU
 // buffers here; the point is the same fixed summation order (0..N-1, widened accumulation) as the
 // CUDA kernels, so CI checks the semantics the GPUs must meet.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

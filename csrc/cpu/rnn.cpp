@@ -2,7 +2,9 @@
 // task: they define on every machine what the GPU kernels must compute, so CI tests the op surface
 // and the autograd around it (vlseq_ext/nn) without a GPU. The modules themselves run torch's own
 // CPU RNN, which is faster.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

@@ -52,7 +52,7 @@
 
 #include <cstdint>
 
-#include "vlseq/rnn.h"
+#include "vlseq/rnn_types.h"
 
 namespace vlseq::rnn {
 

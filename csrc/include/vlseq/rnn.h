@@ -16,18 +16,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/macros/Macros.h>
 
 #include <optional>
 #include <string>
 
+#include "vlseq/rnn_types.h"
+
 namespace vlseq::rnn {
-
-enum class Cell { kLSTM, kGRU };
-// The precision of W_hh in the recurrent products; state and accumulation are fp32 either way.
-enum class Weights { kFP32, kBF16 };
-
-inline int num_gates(Cell c) { return c == Cell::kLSTM ? 4 : 3; }
 
 Cell parse_cell(const char* op, const std::string& name);
 Weights parse_weights(const char* op, const std::string& name);
@@ -58,9 +53,5 @@ Sizes check_backward(const std::string& cell, const at::Tensor& w_hh, const at::
                      const at::Tensor& lengths, const std::optional<at::Tensor>& dy,
                      const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
                      const std::string& weights);
-
-// Lengths are read on the device, so they cannot be checked without a host sync: every kernel
-// clamps them to [0, T] (vlseq_ext.nn checks lengths that are on the CPU).
-C10_HOST_DEVICE inline int64_t clamp_length(int64_t len, int64_t T) { return len < 0 ? 0 : (len > T ? T : len); }
 
 }  // namespace vlseq::rnn
