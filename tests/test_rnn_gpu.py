@@ -189,18 +189,23 @@ def test_graph_replay_matches_eager(rand, H):
         return [out.detach(), h.detach(), c.detach()] + [p.grad.detach().clone() for p in mod.parameters()]
 
     eager = step()
+    for a, b in zip(replayed(step), eager):
+        assert_same_bits(a, b, "graph replay")
+
+
+def replayed(fn):
+    """fn's outputs from a CUDA-graph replay of it (warmed up, then captured on a side stream)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up on the capture stream
+        fn()  # warm-up on the capture stream
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static = step()
+            static = fn()
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(static, eager):
-        assert_same_bits(a, b, "graph replay")
+    return static
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
@@ -226,16 +231,7 @@ def test_pipelined_stack_against_float64_and_in_a_graph(rand, cls):
 
 def replay_equals(mod, x, lens, hx, up, eager):
     """run_and_grads captured in a CUDA graph and replayed gives `eager`'s bits."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_and_grads(mod, x, lens, hx, up)  # warm-up on the capture stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = run_and_grads(mod, x, lens, hx, up)
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
+    static = replayed(lambda: run_and_grads(mod, x, lens, hx, up))
     for a, b in zip(static[0] + static[1], eager[0] + eager[1]):
         assert_same_bits(a, b, "graph replay")
 
@@ -262,17 +258,7 @@ def test_directions_side_by_side(rand):
         return [out, h] + list(torch.autograd.grad((out * up[0]).sum() + (h * up[1]).sum(), list(mod.parameters())))
 
     eager = trainer_step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        trainer_step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = trainer_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(static, eager):
+    for a, b in zip(replayed(trainer_step), eager):
         assert_same_bits(a, b, "graph replay, directions side by side")
 
 
