@@ -32,7 +32,7 @@ def test_windows_equal_layer_after_layer(rand, cls, chunks, layers, bias, with_s
     torch.manual_seed(rand.seed % 2**31)
     module = cls(3, 5, num_layers=layers, bias=bias, batch_first=True)
     T = 20
-    lengths = torch.tensor([20, 1, 7, 10, 13, 3])  # inside, before and at the edges of the windows
+    lengths = torch.tensor([20, 1, 7, 10, 13, 3, 0])  # inside, before and at the edges of the windows; none
     x = rand.randn(len(lengths), T, 3)
     x[torch.arange(T)[None, :] >= lengths[:, None]] = 0
     hx = None
