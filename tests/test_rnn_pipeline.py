@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from vlseq_ext.nn import functional
+from vlseq_ext.nn import concurrency, functional
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 
@@ -74,21 +74,21 @@ def test_pipeline_rule():
     """Only stacks whose layers' launches take at most half the SMs, never the grid layout, windows
     of >= 48 steps, at most 8."""
     cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block, shared memory 67/70 KiB"
-    assert functional.pipeline_chunks(cluster, 2, 480, 132) == 8
-    assert functional.pipeline_chunks(cluster, 2, 100, 132) == 2
-    assert functional.pipeline_chunks(cluster, 2, 47, 132) == 1
-    assert functional.pipeline_chunks(cluster, 1, 480, 132) == 1
+    assert concurrency.pipeline_chunks(cluster, 2, 480, 132) == 8
+    assert concurrency.pipeline_chunks(cluster, 2, 100, 132) == 2
+    assert concurrency.pipeline_chunks(cluster, 2, 47, 132) == 1
+    assert concurrency.pipeline_chunks(cluster, 1, 480, 132) == 1
     wide = "cluster 8 blocks x 11 groups, 32 units and 3 samples per block, shared memory 140/141 KiB"
-    assert functional.pipeline_chunks(wide, 2, 480, 132) == 1  # 176 blocks > 66
+    assert concurrency.pipeline_chunks(wide, 2, 480, 132) == 1  # 176 blocks > 66
     eight = "cluster 8 blocks x 8 groups, 32 units and 1 samples per block, shared memory 132/134 KiB"
-    assert functional.pipeline_chunks(eight, 2, 480, 132) == 1  # 128 blocks: no SMs left for the GEMMs
-    assert functional.pipeline_chunks(eight, 2, 480, 256) == 8
+    assert concurrency.pipeline_chunks(eight, 2, 480, 132) == 1  # 128 blocks: no SMs left for the GEMMs
+    assert concurrency.pipeline_chunks(eight, 2, 480, 256) == 8
     grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 6 samples at a time"
-    assert functional.pipeline_chunks(grid, 2, 480, 1000) == 1
+    assert concurrency.pipeline_chunks(grid, 2, 480, 1000) == 1
 
 
 def test_side_by_side_rule():
     """The two directions of a layer run at once when both launches fit on the GPU together."""
-    assert functional.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
-    assert not functional.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
-    assert not functional.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)
+    assert concurrency.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
+    assert not concurrency.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
+    assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)

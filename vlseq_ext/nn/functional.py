@@ -12,9 +12,6 @@ bfloat16 on chip, with float32 state and accumulation.
 """
 from __future__ import annotations
 
-import contextlib
-import re
-import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -23,14 +20,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .. import ops
+from . import concurrency
 
-__all__ = ["rnn", "precision_for", "weights_of", "pipeline_chunks", "side_by_side"]
-
-# A stack is pipelined over time windows of at least this many steps, at most this many windows:
-# each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
-# costs one window per extra layer.
-PIPELINE_MIN_STEPS = 48
-PIPELINE_MAX_CHUNKS = 8
+__all__ = ["rnn", "precision_for", "weights_of"]
 
 
 def precision_for(x: Tensor) -> str:
@@ -110,21 +102,6 @@ class _Layer(torch.autograd.Function):
                 dw_ih, dw_hh, db_ih, db_hh)
 
 
-class _Streams:
-    """Per device and thread: the side streams a pipelined stack runs its upper layers on (threads
-    that capture CUDA graphs must not share a stream)."""
-
-    local = threading.local()
-
-    @classmethod
-    def get(cls, device: torch.device, n: int) -> List[torch.cuda.Stream]:
-        cache = cls.local.__dict__.setdefault("streams", {})
-        have = cache.setdefault(device, [])
-        while len(have) < n:
-            have.append(torch.cuda.Stream(device))
-        return have[:n]
-
-
 class _Pipelined(torch.autograd.Function):
     """A unidirectional stack of layers over time windows ("chunks"), layer l + 1 running window k
     while layer l runs window k + 1 (each layer on its own stream, an event per window between
@@ -139,7 +116,7 @@ class _Pipelined(torch.autograd.Function):
         B, T, _ = x.shape
         lstm = cell == "lstm"
         bounds = _windows(T, chunks)
-        main, streams = _streams_for(x, L)
+        main, streams = concurrency.streams_for(x, L)
         masks = [None] * L  # masks[l]: dropout on layer l's input (l >= 1)
         if dropout:
             H = weights[1].shape[1]
@@ -150,12 +127,12 @@ class _Pipelined(torch.autograd.Function):
         saved = [[None] * len(bounds) for _ in range(L)]  # per layer and window: (h0, c0, saved, cs)
         done = [[None] * len(bounds) for _ in range(L)]
         h_n, c_n = [None] * L, [None] * L
-        _fork(main, streams)
+        concurrency.fork(main, streams)
         with torch.autocast(device_type=x.device.type, enabled=False):
             for k, (t0, t1) in enumerate(bounds):
                 for l in range(L):
                     w_ih, w_hh, b_ih, b_hh = weights[4 * l:4 * l + 4]
-                    with _on(streams[l]):
+                    with concurrency.on(streams[l]):
                         if l and done[l - 1][k] is not None:
                             streams[l].wait_event(done[l - 1][k])
                         inp = x[:, t0:t1] if l == 0 else ys[l - 1][k]
@@ -172,12 +149,12 @@ class _Pipelined(torch.autograd.Function):
                             None if ck is None else ck.contiguous(), lens[k], False, precision)
                         c_n[l] = cn if lstm else None
                         ys[l][k], saved[l][k] = y, (hk, ck, sv, cs)
-                        done[l][k] = _record(streams[l])
-        _join(main, streams)
+                        done[l][k] = concurrency.record(streams[l])
+        concurrency.join(main, streams)
         out = torch.cat(ys[-1], dim=1)
         h_stack = torch.stack(h_n)
         c_stack = torch.stack(c_n) if lstm else h_stack.new_empty(0)
-        _settle(main, streams)
+        concurrency.settle(main, streams)
         ctx.meta = (cell, precision, bounds, L)
         ctx.set_materialize_grads(False)
         if not lstm:
@@ -197,19 +174,19 @@ class _Pipelined(torch.autograd.Function):
         B, T, D = x.shape
         H = w_hhs[0].shape[1]
         last = len(bounds) - 1
-        main, streams = _streams_for(x, L)
+        main, streams = concurrency.streams_for(x, L)
         dgates = [[None] * len(bounds) for _ in range(L)]
         dgates_hn = [[None] * len(bounds) for _ in range(L)]
         dins = [[None] * len(bounds) for _ in range(L)]  # d (layer l's input) per window
         done = [[None] * len(bounds) for _ in range(L)]
         dh0, dc0 = [None] * L, [None] * L
         grads = [None] * (4 * L)
-        _fork(main, streams)
+        concurrency.fork(main, streams)
         with torch.autocast(device_type=x.device.type, enabled=False):
             for k in reversed(range(len(bounds))):
                 t0, t1 = bounds[k]
                 for l in reversed(range(L)):
-                    with _on(streams[l]):
+                    with concurrency.on(streams[l]):
                         if l < L - 1 and done[l + 1][k] is not None:
                             streams[l].wait_event(done[l + 1][k])
                         dy = (None if dout is None else dout[:, t0:t1].contiguous()) if l == L - 1 else dins[l + 1][k]
@@ -227,62 +204,24 @@ class _Pipelined(torch.autograd.Function):
                         if l > 0 or ctx.needs_input_grad[4]:
                             din = _gemm(dg.view(B * (t1 - t0), -1), w_ihs[l], precision).view(B, t1 - t0, -1)
                             dins[l][k] = din * masks[l][:, t0:t1] if masks[l] is not None else din
-                        done[l][k] = _record(streams[l])
+                        done[l][k] = concurrency.record(streams[l])
                         if k == 0:  # the layer's weight gradients, beside the lower layers' last windows
                             grads[4 * l:4 * l + 4] = _weight_grads(
                                 cell, precision, torch.cat(dgates[l], 1), None if lstm else torch.cat(dgates_hn[l], 1),
                                 _layer_input(x, ys, masks, l), torch.cat(ys[l], 1), saved[l][0][0],
                                 present[4 * l:4 * l + 4], H)
-        _join(main, streams)
+        concurrency.join(main, streams)
         dx = torch.cat(dins[0], 1) if ctx.needs_input_grad[4] else None
         dh0_all = torch.stack(dh0) if ctx.needs_input_grad[6] else None
         dc0_all = torch.stack(dc0) if lstm and ctx.needs_input_grad[7] else None
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[8:])]
-        _settle(main, streams)
+        concurrency.settle(main, streams)
         return (None, None, None, None, dx, None, dh0_all, dc0_all, *grads)
 
 
 def _windows(T: int, chunks: int) -> List[Tuple[int, int]]:
     step = -(-T // chunks)
     return [(t0, min(T, t0 + step)) for t0 in range(0, T, step)]
-
-
-def _streams_for(x: Tensor, layers: int):
-    """The main (current) stream and one stream per layer (layer 0 on the main one); None off the GPU."""
-    if not x.is_cuda:
-        return None, [None] * layers
-    main = torch.cuda.current_stream(x.device)
-    return main, [main] + _Streams.get(x.device, layers - 1)
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _record(stream):
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _fork(main, streams) -> None:
-    for s in streams[1:]:
-        if s is not None:
-            s.wait_stream(main)
-
-
-def _join(main, streams) -> None:
-    for s in streams[1:]:
-        if s is not None:
-            main.wait_stream(s)
-
-
-def _settle(main, streams) -> None:
-    """The side streams wait for the main stream's reads of their tensors: memory a side stream
-    allocated is reused only by that stream, so its later work must come after those reads."""
-    _fork(main, streams)
 
 
 def _layer_input(x: Tensor, ys, masks, l: int) -> Tensor:
@@ -303,25 +242,6 @@ def _weight_grads(cell, precision, dg, dg_hn, inp, y, h0, present, H) -> List[Op
     return [dw_ih, dw_hh, dgx.sum(0) if present[2] else None, dgh.sum(0) if present[3] else None]
 
 
-def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
-    """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
-    only when the launches of all layers (`plan`, from ops.rnn_plan: one block per SM) take at most
-    half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
-    find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
-    for the grid layout, whose cooperative launch needs its whole grid resident."""
-    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
-    if layers < 2 or not m or int(m.group(2)) * int(m.group(3)) * layers > sm_count // 2:
-        return 1
-    return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
-
-
-def side_by_side(plan: str, sm_count: int) -> bool:
-    """Whether the two directions of a layer (launch `plan` each) can run at once: both launches
-    resident together, never the grid layout (its cooperative launch needs its whole grid)."""
-    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
-    return bool(m) and 2 * int(m.group(2)) * int(m.group(3)) <= sm_count
-
-
 def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[Tensor]]:
     """[w_ih, w_hh, b_ih, b_hh] of one layer and direction (biases None when bias=False)."""
     suffix = "_reverse" if reverse else ""
@@ -337,9 +257,9 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
     Returns (output (B, T, directions * hidden_size), h_n, c_n (None for a GRU)), output zero at
     padded steps and h_n/c_n the states after each sample's own last step (step 0 for the reverse
     direction). Training mode applies the module's inter-layer dropout. chunks > 1 pipelines a
-    unidirectional stack over that many time windows (see _Pipelined; pipeline_chunks chooses it);
+    unidirectional stack over that many time windows (see _Pipelined; concurrency.pipeline_chunks chooses it);
     directions_side_by_side runs a bidirectional layer's two directions at once on two streams
-    (side_by_side says when)."""
+    (concurrency.side_by_side says when)."""
     lstm = isinstance(module, nn.LSTM)
     cell = "lstm" if lstm else "gru"
     dirs = 2 if module.bidirectional else 1
@@ -368,24 +288,24 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
         h.requires_grad for h in (hx if isinstance(hx, tuple) else (hx,))))
     if x.is_cuda and needs_grad and torch.cuda.is_current_stream_capturing():
         directions_side_by_side = False
-    main, streams = _streams_for(x, 2) if dirs == 2 and directions_side_by_side else (None, [None, None])
+    main, streams = concurrency.streams_for(x, 2) if dirs == 2 and directions_side_by_side else (None, [None, None])
     h_out, c_out = [], []
     for layer in range(module.num_layers):
         outs = []
-        _fork(main, streams)
+        concurrency.fork(main, streams)
         for d in range(dirs):
             k = layer * dirs + d
             w_ih, w_hh, b_ih, b_hh = weights_of(module, layer, bool(d))
-            with _on(streams[d]):
+            with concurrency.on(streams[d]):
                 y, h_n, c_n = _Layer.apply(cell, precision, bool(d), layer_in, lengths, h0[k],
                                            c0[k] if lstm else None, w_ih, w_hh, b_ih, b_hh)
             outs.append(y)
             h_out.append(h_n)
             c_out.append(c_n)
-        _join(main, streams)
+        concurrency.join(main, streams)
         layer_in = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
         if module.dropout and module.training and layer < module.num_layers - 1:
             layer_in = F.dropout(layer_in, module.dropout, training=True)
     result = layer_in, torch.stack(h_out), (torch.stack(c_out) if lstm else None)
-    _settle(main, streams)
+    concurrency.settle(main, streams)
     return result

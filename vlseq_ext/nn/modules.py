@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from . import functional
+from . import concurrency, functional
 
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
@@ -94,18 +94,18 @@ class _KernelRNN:
         return cache[key]
 
     def _chunks(self, x: Tensor, batch: int, steps: int) -> int:
-        """Time windows to pipeline the layers over (functional.pipeline_chunks); 1 off the GPU."""
+        """Time windows to pipeline the layers over (concurrency.pipeline_chunks); 1 off the GPU."""
         if not x.is_cuda or self.bidirectional or self.num_layers < 2:
             return 1
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return functional.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
+        return concurrency.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
 
     def _side_by_side(self, x: Tensor, batch: int) -> bool:
-        """Whether the two directions run at once (functional.side_by_side); False off the GPU."""
+        """Whether the two directions run at once (concurrency.side_by_side); False off the GPU."""
         if not x.is_cuda or not self.bidirectional:
             return False
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return functional.side_by_side(self._plan(batch, x.device), sms)
+        return concurrency.side_by_side(self._plan(batch, x.device), sms)
 
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different

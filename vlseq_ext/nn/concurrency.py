@@ -1,0 +1,97 @@
+"""Which recurrent launches run at once, and on which CUDA streams: the rules for pipelining a
+unidirectional stack over time windows and for running a bidirectional layer's two directions side
+by side (both read the layer's launch plan, ops.rnn_plan), and the side streams they use
+(vlseq_ext.nn.functional runs them)."""
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from typing import List
+
+import torch
+from torch import Tensor
+
+__all__ = ["pipeline_chunks", "side_by_side", "streams_for", "on", "record", "fork", "join", "settle"]
+
+# A stack is pipelined over time windows of at least this many steps, at most this many windows:
+# each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
+# costs one window per extra layer.
+PIPELINE_MIN_STEPS = 48
+PIPELINE_MAX_CHUNKS = 8
+
+
+def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
+    """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
+    only when the launches of all layers (`plan`, from ops.rnn_plan: one block per SM) take at most
+    half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
+    find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
+    for the grid layout, whose cooperative launch needs its whole grid resident."""
+    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
+    if layers < 2 or not m or int(m.group(2)) * int(m.group(3)) * layers > sm_count // 2:
+        return 1
+    return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
+
+
+def side_by_side(plan: str, sm_count: int) -> bool:
+    """Whether the two directions of a layer (launch `plan` each) can run at once: both launches
+    resident together, never the grid layout (its cooperative launch needs its whole grid)."""
+    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
+    return bool(m) and 2 * int(m.group(2)) * int(m.group(3)) <= sm_count
+
+
+class _Streams:
+    """Per device and thread: the side streams (a pipelined stack's upper layers, a bidirectional
+    layer's reverse direction); threads that capture CUDA graphs must not share a stream."""
+
+    local = threading.local()
+
+    @classmethod
+    def get(cls, device: torch.device, n: int) -> List[torch.cuda.Stream]:
+        cache = cls.local.__dict__.setdefault("streams", {})
+        have = cache.setdefault(device, [])
+        while len(have) < n:
+            have.append(torch.cuda.Stream(device))
+        return have[:n]
+
+
+def streams_for(x: Tensor, layers: int):
+    """The main (current) stream and one stream per layer (layer 0 on the main one); None off the GPU."""
+    if not x.is_cuda:
+        return None, [None] * layers
+    main = torch.cuda.current_stream(x.device)
+    return main, [main] + _Streams.get(x.device, layers - 1)
+
+
+def on(stream):
+    """`with on(stream)`: work goes to that stream (nothing changes off the GPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def record(stream):
+    """An event recorded on the stream now (None off the GPU)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def fork(main, streams) -> None:
+    """The side streams wait for what the main stream has queued."""
+    for s in streams[1:]:
+        if s is not None:
+            s.wait_stream(main)
+
+
+def join(main, streams) -> None:
+    """The main stream waits for what the side streams have queued."""
+    for s in streams[1:]:
+        if s is not None:
+            main.wait_stream(s)
+
+
+def settle(main, streams) -> None:
+    """The side streams wait for the main stream's reads of their tensors: memory a side stream
+    allocated is reused only by that stream, so its later work must come after those reads."""
+    fork(main, streams)
