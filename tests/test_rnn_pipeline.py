@@ -92,3 +92,25 @@ def test_side_by_side_rule():
     assert concurrency.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
     assert not concurrency.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
     assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_frozen_layer_gets_no_gradient_and_the_others_are_unchanged(rand, chunks):
+    """Weight gradients are computed only where asked: with layer 0 frozen, layer 1's gradients are
+    those of the unfrozen stack, layer-by-layer or pipelined."""
+    torch.manual_seed(rand.seed % 2**31)
+    module = nn.GRU(3, 5, num_layers=2, batch_first=True)
+    lengths = torch.tensor([12, 5, 9])
+    x = rand.randn(3, 12, 3)
+    x[torch.arange(12)[None, :] >= lengths[:, None]] = 0
+    out, h_n, _ = functional.rnn(module, x, lengths, chunks=chunks)
+    upper = [p for n, p in module.named_parameters() if n.endswith("l1")]
+    want = torch.autograd.grad(out.square().sum() + h_n.sum(), upper)
+    for n, p in module.named_parameters():
+        p.requires_grad_(n.endswith("l1"))
+        p.grad = None
+    out, h_n, _ = functional.rnn(module, x, lengths, chunks=chunks)
+    (out.square().sum() + h_n.sum()).backward()
+    assert all(p.grad is None for n, p in module.named_parameters() if n.endswith("l0"))
+    for p, w in zip(upper, want):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)

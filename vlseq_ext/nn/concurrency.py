@@ -27,8 +27,8 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
     half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
     find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
     for the grid layout, whose cooperative launch needs its whole grid resident."""
-    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
-    if layers < 2 or not m or int(m.group(2)) * int(m.group(3)) * layers > sm_count // 2:
+    blocks = _blocks(plan)
+    if layers < 2 or not blocks or blocks * layers > sm_count // 2:
         return 1
     return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
 
@@ -36,8 +36,14 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
 def side_by_side(plan: str, sm_count: int) -> bool:
     """Whether the two directions of a layer (launch `plan` each) can run at once: both launches
     resident together, never the grid layout (its cooperative launch needs its whole grid)."""
+    blocks = _blocks(plan)
+    return bool(blocks) and 2 * blocks <= sm_count
+
+
+def _blocks(plan: str) -> int:
+    """The blocks (one per SM) of a local or cluster plan; 0 for a grid plan or none."""
     m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
-    return bool(m) and 2 * int(m.group(2)) * int(m.group(3)) <= sm_count
+    return int(m.group(2)) * int(m.group(3)) if m else 0
 
 
 class _Streams:

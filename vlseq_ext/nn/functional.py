@@ -51,6 +51,26 @@ def _previous_states(y: Tensor, h0: Tensor, lengths: Tensor, reverse: bool) -> T
     return torch.where(last, h0.unsqueeze(1), prev)
 
 
+def _weight_grads(cell: str, precision: str, dgates: Tensor, dgates_hn: Optional[Tensor], x: Tensor, y: Tensor,
+                  h0: Tensor, lengths: Optional[Tensor], reverse: bool, need) -> List[Optional[Tensor]]:
+    """[dw_ih, dw_hh, db_ih, db_hh] of one layer and direction from its gate gradients over the whole
+    sequence (x its input, y its output); None where `need` (four flags, as needs_input_grad gives
+    them: False for an absent bias) says nobody wants it. lengths: only for the reverse direction."""
+    B, T, D = x.shape
+    H = y.shape[-1]
+    dgx = dgates.view(B * T, -1)
+    dw_ih = _gemm(dgx.t(), x.reshape(B * T, D), precision) if need[0] else None
+    db_ih = dgx.sum(0) if need[2] else None
+    dw_hh = db_hh = None
+    if need[1] or need[3]:
+        dgh = dgx if cell == "lstm" else torch.cat([dgates[..., :2 * H], dgates_hn], dim=-1).view(B * T, -1)
+        if need[1]:
+            dw_hh = _gemm(dgh.t(), _previous_states(y, h0, lengths, reverse).view(B * T, H), precision)
+        if need[3]:
+            db_hh = dgh.sum(0)
+    return [dw_ih, dw_hh, db_ih, db_hh]
+
+
 class _Layer(torch.autograd.Function):
     """One layer, one direction: y (B, T, H), h_n, c_n from x (B, T, D)."""
 
@@ -66,7 +86,7 @@ class _Layer(torch.autograd.Function):
                 cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(),
                 None if b_hh is None else b_hh.contiguous(), h0.contiguous(),
                 None if c0 is None else c0.contiguous(), lengths, reverse, precision)
-        ctx.meta = (cell, precision, reverse, b_ih is not None, b_hh is not None)
+        ctx.meta = (cell, precision, reverse)
         ctx.set_materialize_grads(False)  # unused outputs cost no zero tensors (the ops take None)
         if cell == "gru":
             ctx.mark_non_differentiable(c_n)  # an empty placeholder
@@ -76,30 +96,19 @@ class _Layer(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor]):
-        cell, precision, reverse, has_b_ih, has_b_hh = ctx.meta
+        cell, precision, reverse = ctx.meta
         x, lengths, h0, c0, w_ih, w_hh, y, saved, cs = ctx.saved_tensors
         B, T, D = x.shape
-        H = w_hh.shape[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
             dgates, dgates_hn, dh0, dc0 = ops.rnn_backward(
                 cell, w_hh.contiguous(), y, saved, cs, h0.contiguous(), None if c0 is None else c0.contiguous(),
                 lengths, None if dy is None else dy.contiguous(), None if dh_n is None else dh_n.contiguous(),
                 None if dc_n is None or cell == "gru" else dc_n.contiguous(), reverse, precision)
-            dgx = dgates.view(B * T, -1)
             need = ctx.needs_input_grad
-            dx = _gemm(dgx, w_ih, precision).view(B, T, D) if need[3] else None
-            dw_ih = _gemm(dgx.t(), x.reshape(B * T, D), precision) if need[7] else None
-            db_ih = dgx.sum(0) if has_b_ih and need[9] else None
-            dw_hh = db_hh = None
-            if need[8] or (has_b_hh and need[10]):
-                dgh = dgx if cell == "lstm" else torch.cat([dgates[..., :2 * H], dgates_hn], dim=-1).view(B * T, -1)
-                if need[8]:
-                    prev = _previous_states(y, h0, lengths, reverse).view(B * T, H)
-                    dw_hh = _gemm(dgh.t(), prev, precision)
-                if has_b_hh and need[10]:
-                    db_hh = dgh.sum(0)
+            dx = _gemm(dgates.view(B * T, -1), w_ih, precision).view(B, T, D) if need[3] else None
+            grads = _weight_grads(cell, precision, dgates, dgates_hn, x, y, h0, lengths, reverse, need[7:11])
         return (None, None, None, dx, None, dh0 if need[5] else None, dc0 if cell == "lstm" and need[6] else None,
-                dw_ih, dw_hh, db_ih, db_hh)
+                *grads)
 
 
 class _Pipelined(torch.autograd.Function):
@@ -160,7 +169,7 @@ class _Pipelined(torch.autograd.Function):
         if not lstm:
             ctx.mark_non_differentiable(c_stack)
         ctx.save_for_backward(x, *weights[0::4], *weights[1::4])
-        ctx.chunks = (lens, ys, saved, masks, [w is not None for w in weights])
+        ctx.chunks = (lens, ys, saved, masks)
         return out, h_stack, c_stack
 
     @staticmethod
@@ -169,10 +178,9 @@ class _Pipelined(torch.autograd.Function):
         cell, precision, bounds, L = ctx.meta
         x, *ws = ctx.saved_tensors
         w_ihs, w_hhs = ws[:L], ws[L:]
-        lens, ys, saved, masks, present = ctx.chunks
+        lens, ys, saved, masks = ctx.chunks
         lstm = cell == "lstm"
         B, T, D = x.shape
-        H = w_hhs[0].shape[1]
         last = len(bounds) - 1
         main, streams = concurrency.streams_for(x, L)
         dgates = [[None] * len(bounds) for _ in range(L)]
@@ -208,13 +216,12 @@ class _Pipelined(torch.autograd.Function):
                         if k == 0:  # the layer's weight gradients, beside the lower layers' last windows
                             grads[4 * l:4 * l + 4] = _weight_grads(
                                 cell, precision, torch.cat(dgates[l], 1), None if lstm else torch.cat(dgates_hn[l], 1),
-                                _layer_input(x, ys, masks, l), torch.cat(ys[l], 1), saved[l][0][0],
-                                present[4 * l:4 * l + 4], H)
+                                _layer_input(x, ys, masks, l), torch.cat(ys[l], 1), saved[l][0][0], None, False,
+                                ctx.needs_input_grad[8 + 4 * l:12 + 4 * l])
         concurrency.join(main, streams)
         dx = torch.cat(dins[0], 1) if ctx.needs_input_grad[4] else None
         dh0_all = torch.stack(dh0) if ctx.needs_input_grad[6] else None
         dc0_all = torch.stack(dc0) if lstm and ctx.needs_input_grad[7] else None
-        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[8:])]
         concurrency.settle(main, streams)
         return (None, None, None, None, dx, None, dh0_all, dc0_all, *grads)
 
@@ -231,15 +238,6 @@ def _layer_input(x: Tensor, ys, masks, l: int) -> Tensor:
     return inp * masks[l] if masks[l] is not None else inp
 
 
-def _weight_grads(cell, precision, dg, dg_hn, inp, y, h0, present, H) -> List[Optional[Tensor]]:
-    """[dw_ih, dw_hh, db_ih, db_hh] of one forward-direction layer from its gate gradients over the
-    whole sequence."""
-    B, T, D = inp.shape
-    dgx = dg.reshape(B * T, -1)
-    dw_ih = _gemm(dgx.t(), inp.reshape(B * T, D), precision)
-    dgh = dgx if cell == "lstm" else torch.cat([dg[..., :2 * H], dg_hn], dim=-1).reshape(B * T, -1)
-    dw_hh = _gemm(dgh.t(), _previous_states(y, h0, None, False).reshape(B * T, H), precision)
-    return [dw_ih, dw_hh, dgx.sum(0) if present[2] else None, dgh.sum(0) if present[3] else None]
 
 
 def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[Tensor]]:

@@ -213,8 +213,8 @@ class _KernelRNN:
         B = x.shape[0]
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, x.shape[0], x.shape[1]),
-                                       directions_side_by_side=self._side_by_side(x, x.shape[0]))
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, x.shape[1]),
+                                       directions_side_by_side=self._side_by_side(x, B))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
             out = out.index_select(0, packed.sorted_indices)
