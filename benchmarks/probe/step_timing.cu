@@ -11,6 +11,11 @@
 
 using namespace vlseq::rnn;
 
+namespace vlseq::rnn {  // the library's kernel tables, instantiated here as rnn_forward.cu / rnn_backward.cu do
+VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel)
+VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel)
+}  // namespace vlseq::rnn
+
 float* upload(size_t n, float scale) {
   std::vector<float> h(n);
   for (auto& v : h) v = scale * (2.0f * rand() / RAND_MAX - 1.0f);
@@ -20,8 +25,8 @@ float* upload(size_t n, float scale) {
   return d;
 }
 
-template <typename K, typename A>
-void launch(K kernel, const A& args, int blocks, int nc, int smem) {
+template <typename A>
+void launch(const void* kernel, const A& args, int blocks, int nc, int smem) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   cudaLaunchConfig_t cfg = {};
@@ -36,7 +41,8 @@ void launch(K kernel, const A& args, int blocks, int nc, int smem) {
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
   cudaEventRecord(a);
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
+  void* params[] = {const_cast<A*>(&args)};
+  cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, params);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
   float ms;
@@ -82,26 +88,20 @@ int main(int argc, char** argv) {
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
   const bool regs_f = B == 1 && fits_registers(G * hs, (H + 3) / 4);
   const bool regs_b = B == 1 && fits_registers(H, (G * hs + 3) / 4);
-  if (bt == 1) launch(rnn_forward_kernel<Cell::kLSTM, 1, float, false>, fa, nc, nc, fsmem);
-  else if (bt == 4) launch(rnn_forward_kernel<Cell::kLSTM, 4, float, false>, fa, nc, nc, fsmem);
-  else launch(rnn_forward_kernel<Cell::kLSTM, 8, float, false>, fa, nc, nc, fsmem);
-  report(0, 7, T, fnames);
-  if (regs_f) {
-    printf(" W_hh in registers:\n");
-    launch(rnn_forward_kernel<Cell::kLSTM, 1, float, true>, fa, nc, nc, fsmem);
+  for (bool regs : {false, true}) {
+    if (regs && !regs_f) continue;
+    if (regs) printf(" W_hh in registers:\n");
+    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), fa, nc, nc, fsmem);
     report(0, 7, T, fnames);
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
   float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0);
   BackwardArgs ba{g, w, y, saved, cs, h0, c0, dlens, dy, nullptr, nullptr, dgates, nullptr, dh0, dc0, nullptr, nullptr};
   const int bsmem = BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total;
-  if (bt == 1) launch(rnn_backward_kernel<Cell::kLSTM, 1, float, false>, ba, nc, nc, bsmem);
-  else if (bt == 4) launch(rnn_backward_kernel<Cell::kLSTM, 4, float, false>, ba, nc, nc, bsmem);
-  else launch(rnn_backward_kernel<Cell::kLSTM, 8, float, false>, ba, nc, nc, bsmem);
-  report(1, 6, T, bnames);
-  if (regs_b) {
-    printf(" W_hh in registers:\n");
-    launch(rnn_backward_kernel<Cell::kLSTM, 1, float, true>, ba, nc, nc, bsmem);
+  for (bool regs : {false, true}) {
+    if (regs && !regs_b) continue;
+    if (regs) printf(" W_hh in registers:\n");
+    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), ba, nc, nc, bsmem);
     report(1, 6, T, bnames);
   }
   return 0;
