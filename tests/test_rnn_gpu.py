@@ -112,6 +112,16 @@ def test_one_sample_layers_keep_w_hh_in_registers(rand, cls, H, bidirectional):
     compare(rand, cls, 36, H, bidirectional=bidirectional, lengths=(rand.py.randint(1, 300),))
 
 
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_several_samples_per_block_keep_w_hh_in_registers(rand, cls):
+    """More samples than 16-block clusters fit on the GPU: several fp32 samples per block on the
+    register kernels, two at a time (an odd count pads one), lengths that end at different steps."""
+    B = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 16 + 1
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, B, "fp32", DEV)
+    assert "W_hh in registers (forward and backward)" in plan and " 1 samples per block" not in plan, plan
+    compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, B, 1, 300))
+
+
 def test_wide_bidirectional_batch_32_lengths_50_to_500(rand):
     compare(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True, lengths=random_lengths(rand, 32, 50, 500))
 

@@ -1,7 +1,7 @@
 // Where one step of the persistent LSTM kernels spends its time: block 0's thread 0 stamps clock64()
 // at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
-// Usage: step_timing H B nc   (LSTM, fp32, 480 steps; one sample: W_hh in shared memory, then in
-// registers where it fits)
+// Usage: step_timing H B nc   (LSTM, fp32, 480 steps, one group of B samples on nc blocks: W_hh in
+// shared memory, then in registers where it fits)
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
@@ -81,27 +81,28 @@ int main(int argc, char** argv) {
   float *h0 = upload(B * H, 0.5f), *c0 = upload(B * H, 0.5f);
   float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
   float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
-  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
+  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8, rbt = regs_batch_tile(B);
   ForwardArgs fa{g, xp, w, bias, h0, c0, dlens, y, hn, cn, saved, cs, nullptr, nullptr};
-  const int fsmem = ForwardSmem(g, G, 4, bt).total;
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
-  const bool regs_f = B == 1 && fits_registers(G * hs, (H + 3) / 4);
-  const bool regs_b = B == 1 && fits_registers(H, (G * hs + 3) / 4);
+  const bool regs_f = fits_registers(G * hs, (H + 3) / 4);
+  const bool regs_b = fits_registers(H, (G * hs + 3) / 4);
   for (bool regs : {false, true}) {
     if (regs && !regs_f) continue;
     if (regs) printf(" W_hh in registers:\n");
-    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), fa, nc, nc, fsmem);
+    const int t = regs ? rbt : bt;
+    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, t, regs), fa, nc, nc, ForwardSmem(g, G, 4, t).total);
     report(0, 7, T, fnames);
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
   float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0);
   BackwardArgs ba{g, w, y, saved, cs, h0, c0, dlens, dy, nullptr, nullptr, dgates, nullptr, dh0, dc0, nullptr, nullptr};
-  const int bsmem = BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total;
   for (bool regs : {false, true}) {
     if (regs && !regs_b) continue;
     if (regs) printf(" W_hh in registers:\n");
-    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), ba, nc, nc, bsmem);
+    const int t = regs ? rbt : bt;
+    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, t, regs), ba, nc, nc,
+           BackwardSmem(g, G, 4, t, backward_fields(Cell::kLSTM)).total);
     report(1, 6, T, bnames);
   }
   return 0;

@@ -68,21 +68,26 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
   return per_sm * p.multiProcessorCount / nc;
 }
 
-// Clocks of one forward step (the backward step moves the same bytes): shared-memory reads of W
-// at 128 B/clock (none when W is in registers) or FMAs at 128/clock, the cell, the exchange and
-// the barrier. The exchange terms
-// are fitted to the step timings of benchmarks/probe/step_timing.cu on an H200 (cluster of 16,
-// hidden 256: about 2,750 clocks plus 1,400 per sample of the block, most of it the stores into
-// the peers and the release that waits for them), so more groups with fewer samples each win
-// while they fit on the GPU at once.
-double step_clocks(Sync sync, int G, int hs, int H, int bs, int nc, int groups, int wbytes, bool regs) {
+// Clocks of one forward step (the backward step moves the same bytes), fitted to the step timings
+// of benchmarks/probe/step_timing.cu on an H200 (LSTM, hidden 256; BENCHMARKS.md):
+//   products  latency-bound at 8 warps per SM: ~2.4 clocks per FMA-clock of the block (its FMAs over
+//             128 lanes, samples padded to the batch tile) plus, from shared memory, the W bytes of
+//             each batch tile at 128 B/clock (one sample, cluster of 16: 1,628 measured; 3 samples,
+//             cluster of 8: 4,881); with W in registers a ~500-clock floor instead (840 at one sample);
+//   cell      the cell, the output stores and the next step's loads, ~1,100;
+//   exchange  cluster: ~900 plus the floats each block sends (bs * hs to each of nc blocks);
+//             grid: every block reads every sample's h and writes/reads partials (L2 bytes at
+//             ~2.9 KB/clock) and a global barrier.
+// More groups with fewer samples each win while they fit on the GPU at once.
+double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool regs) {
   const double R = G * hs, K = round_up(H, 4);
-  const double products = std::max(regs ? 0.0 : R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
-  const double cell = 550.0;
+  const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
+  double products = regs ? 500.0 + 2.4 * fma : 100.0 + 2.4 * (wread + fma);
+  const double cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
   double exchange = 300.0 + 150.0 * bs;
-  if (sync == Sync::kCluster) exchange = 1200.0 + bs * (400.0 + 60.0 * nc);
+  if (sync == Sync::kCluster) exchange = 900.0 + 0.6 * bs * hs * nc;
   if (sync == Sync::kGrid) {
-    // every block reads every sample's h and writes/reads partials: total L2 bytes over ~2.9 KB/clock
+    products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;  // not refitted
     const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
     exchange = 2500.0 + bytes / 2900.0;
   }
@@ -102,15 +107,18 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
   const Sync sync = nc == 1 ? Sync::kLocal : Sync::kCluster;
   bool found = false;
   for (int groups_wanted = std::min(B, 1024); groups_wanted >= 1; groups_wanted = groups_wanted * 3 / 4) {
-    const int bs = ceil_div(B, groups_wanted), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    const int bs = ceil_div(B, groups_wanted), groups = ceil_div(B, bs);
     if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
+    // fp32: W_hh in registers where a thread's share fits; one sample takes it per direction, more
+    // samples in both or neither (the plan has one batch tile).
+    const bool fp32 = w == Weights::kFP32;
+    const bool fits_f = fp32 && fits_registers(G * hs, round_up(H, 4) / 4);
+    const bool fits_b = fp32 && fits_registers(H, round_up(G * hs, 4) / 4);
+    const bool regs_f = bs == 1 ? fits_f : fits_f && fits_b, regs_b = bs == 1 ? fits_b : fits_f && fits_b;
+    const int bt = regs_f && regs_b ? regs_batch_tile(bs) : batch_tile(bs);
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
     const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
-    // One fp32 sample per group: W_hh in registers where a thread's share fits.
-    const bool one = bs == 1 && w == Weights::kFP32;
-    const bool regs_f = one && fits_registers(G * hs, round_up(H, 4) / 4);
-    const bool regs_b = one && fits_registers(H, round_up(G * hs, 4) / 4);
     const void* fk = forward_kernel(cell, w, bt, regs_f);
     const void* bk = backward_kernel(cell, w, bt, regs_b);
     prepare(fk, device, p.sharedMemPerBlockOptin);
@@ -118,7 +126,7 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
     const int resident = std::min(resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p));
     if (resident > 0) {
       const double clocks = ceil_div(groups, resident) *
-                            step_clocks(sync, G, hs, H, bs, nc, std::min(groups, resident), wbytes, regs_f && regs_b);
+                            step_clocks(sync, G, hs, H, bs, bt, nc, std::min(groups, resident), wbytes, regs_f && regs_b);
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
         best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, regs_f, regs_b, fwd, bwd};
@@ -157,7 +165,7 @@ bool grid_plan(Cell cell, Weights w, int H, int B, const cudaDeviceProp& p, int 
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, nc, groups, wbytes, false);
+    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, bt, nc, groups, wbytes, false);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
       best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, fwd, bwd};

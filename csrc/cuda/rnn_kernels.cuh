@@ -162,9 +162,14 @@ struct BackwardSmem {
 
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
 // (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `regs`: the
-// variant that keeps W_hh in registers (fp32, batch tile 1; fits_registers says when it applies).
+// variant that keeps W_hh in registers (fp32; fits_registers says when it applies), with batch tile
+// 1 for one sample per group and 2 otherwise (regs_batch_tile).
 const void* forward_kernel(Cell c, Weights w, int bt, bool regs);
 const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
+
+// The register kernels' batch tile: with W in registers a wider tile saves no loads (RegTile), so
+// 2 keeps the padding of odd sample counts small.
+__host__ __device__ constexpr int regs_batch_tile(int bs) { return bs <= 1 ? 1 : 2; }
 
 #define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT)                   \
   switch (bt) {                                              \
@@ -173,16 +178,18 @@ const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
     case 4: return (const void*)KERNEL<C, 4, WT, false>;     \
     default: return (const void*)KERNEL<C, 8, WT, false>;    \
   }
-#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                                  \
-  const void* NAME(Cell c, Weights w, int bt, bool regs) {                                    \
-    if (c == Cell::kLSTM) {                                                                   \
-      if (w == Weights::kFP32 && regs) return (const void*)KERNEL<Cell::kLSTM, 1, float, true>; \
-      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float)                \
-      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)                                 \
-    }                                                                                         \
-    if (w == Weights::kFP32 && regs) return (const void*)KERNEL<Cell::kGRU, 1, float, true>;  \
-    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)                   \
-    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                                    \
+#define VLSEQ_RNN_REGS(KERNEL, C) \
+  return bt == 1 ? (const void*)KERNEL<C, 1, float, true> : (const void*)KERNEL<C, 2, float, true>;
+#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                   \
+  const void* NAME(Cell c, Weights w, int bt, bool regs) {                     \
+    if (c == Cell::kLSTM) {                                                    \
+      if (w == Weights::kFP32 && regs) VLSEQ_RNN_REGS(KERNEL, Cell::kLSTM)     \
+      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float) \
+      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)                  \
+    }                                                                          \
+    if (w == Weights::kFP32 && regs) VLSEQ_RNN_REGS(KERNEL, Cell::kGRU)        \
+    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)    \
+    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                     \
   }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -245,8 +252,8 @@ __host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
   return ks;
 }
 
-// Whether one sample's products over `rows` rows of W and k4n float4 chunks can hold W in
-// registers: one product tile per thread (one pass) and at most kRegChunks chunks per lane.
+// Whether products over `rows` rows of W and k4n float4 chunks can hold W in registers (RegTile):
+// one row tile per thread and at most kRegChunks chunks per lane.
 __host__ __device__ inline bool fits_registers(int rows, int k4n) {
   const int ks = split_lanes(rows, 1, 1, k4n);
   return ceil_div(rows, kRowTile) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
@@ -336,6 +343,30 @@ struct GroupBarrier {
   }
 };
 
+// The end of a product tile: the ks lanes that split k combine their sums with a butterfly (a
+// fixed order: the same bits every run), then lane 0 of a real tile stores rows r0.. and samples
+// b0.. that exist. Every lane of the warp must call it (the shuffles).
+template <int BT, typename Store>
+__device__ __forceinline__ void reduce_and_store(float (&acc)[kRowTile][BT], int ks, int q, bool real, int r0,
+                                                 int rows, int b0, int nb, Store& store) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    if (off < ks) {
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i)
+#pragma unroll
+        for (int j = 0; j < BT; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
+    }
+  }
+  if (q == 0 && real) {
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i)
+#pragma unroll
+      for (int j = 0; j < BT; ++j)
+        if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i][j]);
+  }
+}
+
 // store(b, r, sum_k W[r * ldw + k] * v[b * ldv + k]) for r < rows, b < nb, k < 4 * k4n.
 // Tiles of kRowTile rows x BT samples per thread group of `ks` consecutive lanes, which split k in
 // interleaved float4 chunks and combine with a butterfly: a fixed order, the same bits every run.
@@ -377,30 +408,17 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
         }
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      if (off < ks) {
-#pragma unroll
-        for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-          for (int j = 0; j < BT; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
-      }
-    }
-    if (q == 0 && tile_raw < ntiles) {
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-        for (int j = 0; j < BT; ++j)
-          if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i][j]);
-    }
+    reduce_and_store<BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
   }
 }
 
-// One sample's products with W held in registers: at batch 1, reading W from shared memory every
-// step is what bounds the products (64 KB per block at hidden 256, ~500 clocks at 128 B/clock);
-// here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of its matvec
-// tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read, and sums them in the same
-// order, so the results have the same bits as matvec<1>. Needs fits_registers(rows, k4n).
+// Products with W held in registers: reading W from shared memory every step is what bounds the
+// products at a few samples per block (64 KB per block and step at hidden 256, ~500 clocks at
+// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of
+// its tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read and sums them in the
+// same order; several samples run BT at a time over the same registers, so one v load feeds
+// kRowTile * 4 FMAs whatever BT is (BT only adds independent accumulators). At BT = 1 the results
+// have the same bits as matvec<1>. Needs fits_registers(rows, k4n).
 struct RegTile {
   float4 w[kRowTile][kRegChunks];
   int ks;
@@ -419,39 +437,37 @@ struct RegTile {
     }
   }
 
-  // store(0, r, sum_k W[r][k] * v[k]) for r < rows.
-  template <typename Store>
-  __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, Store&& store) const {
+  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; v rows up to round_up(nb, BT)
+  // must be readable.
+  template <int BT, typename Store>
+  __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, int ldv, int nb, Store&& store) const {
     const int nrt = ceil_div(rows, kRowTile);
     const int tile_raw = static_cast<int>(threadIdx.x) / ks, tile = min(tile_raw, nrt - 1);
     const int q = threadIdx.x % ks, r0 = tile * kRowTile;
-    float acc[kRowTile];
-#pragma unroll
-    for (int i = 0; i < kRowTile; ++i) acc[i] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kRegChunks; ++c) {
-      const int k4 = q + c * ks;
-      if (k4 >= k4n) break;
-      const float4 x = *reinterpret_cast<const float4*>(v + 4 * k4);
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i) {
-        acc[i] = fmaf(w[i][c].x, x.x, acc[i]);
-        acc[i] = fmaf(w[i][c].y, x.y, acc[i]);
-        acc[i] = fmaf(w[i][c].z, x.z, acc[i]);
-        acc[i] = fmaf(w[i][c].w, x.w, acc[i]);
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      if (off < ks) {
-#pragma unroll
-        for (int i = 0; i < kRowTile; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-      }
-    }
-    if (q == 0 && tile_raw < nrt) {
+    for (int b0 = 0; b0 < nb; b0 += BT) {
+      float acc[kRowTile][BT];
 #pragma unroll
       for (int i = 0; i < kRowTile; ++i)
-        if (r0 + i < rows) store(0, r0 + i, acc[i]);
+#pragma unroll
+        for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
+      const float* v0 = v + b0 * ldv;
+#pragma unroll
+      for (int c = 0; c < kRegChunks; ++c) {
+        const int k4 = q + c * ks;
+        if (k4 >= k4n) break;
+#pragma unroll
+        for (int j = 0; j < BT; ++j) {
+          const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
+#pragma unroll
+          for (int i = 0; i < kRowTile; ++i) {
+            acc[i][j] = fmaf(w[i][c].x, x.x, acc[i][j]);
+            acc[i][j] = fmaf(w[i][c].y, x.y, acc[i][j]);
+            acc[i][j] = fmaf(w[i][c].z, x.z, acc[i][j]);
+            acc[i][j] = fmaf(w[i][c].w, x.w, acc[i][j]);
+          }
+        }
+      }
+      reduce_and_store<BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
     }
   }
 };
@@ -622,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
         __syncthreads();
       }
     } else if constexpr (kRegs) {
-      wr.matvec(R, Kp / 4, h_s + cur * hbuf, [&](int, int r, float v) { gates_s[r] = v; });
+      wr.matvec<BT>(R, Kp / 4, h_s + cur * hbuf, Kp, bv, [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     } else {
       matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
@@ -873,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
         recv_next[at] = v;
     };
     if constexpr (kRegs)
-      wr.matvec(H, Rp / 4, dg_s, deliver);
+      wr.matvec<BT>(H, Rp / 4, dg_s, Rp, bv, deliver);
     else
       matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
     VLSEQ_MARK(1, 3, s);
