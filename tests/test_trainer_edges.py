@@ -243,7 +243,9 @@ def test_a_non_contiguous_parameter_trains():
     trainer.compute_gradients(xs, ys)
     sum(nn.MSELoss()(ref(x), y.reshape(1, -1)) for x, y in zip(xs, ys)).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        # the merge sums the samples in another order than one backward of the summed loss: fp32
+        # rounding (1.8e-7 seen on an H200 host), never a layout error (those are O(1))
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -279,13 +279,7 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
                                          *weights)
         return out, h_n, (c_n if lstm else None)
     # The reverse direction on a side stream, beside the forward one (its backward follows it there:
-    # autograd runs a node's backward on its forward's stream). Not while capturing a graph whose
-    # input or initial state needs a gradient: autograd then syncs the two directions' gradients
-    # of that tensor through the legacy stream, which a capture refuses (measured on an H200).
-    needs_grad = x.requires_grad or (hx is not None and any(
-        h.requires_grad for h in (hx if isinstance(hx, tuple) else (hx,))))
-    if x.is_cuda and needs_grad and torch.cuda.is_current_stream_capturing():
-        directions_side_by_side = False
+    # autograd runs a node's backward on its forward's stream).
     main, streams = concurrency.streams_for(x, 2) if dirs == 2 and directions_side_by_side else (None, [None, None])
     h_out, c_out = [], []
     for layer in range(module.num_layers):
