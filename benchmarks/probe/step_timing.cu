@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   float *h0 = upload(B * H, 0.5f), *c0 = upload(B * H, 0.5f);
   float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
   float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
-  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8, rbt = regs_batch_tile(B);
+  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
   ForwardArgs fa{g, xp, w, bias, h0, c0, dlens, y, hn, cn, saved, cs, nullptr, nullptr};
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
@@ -90,8 +90,7 @@ int main(int argc, char** argv) {
   for (bool regs : {false, true}) {
     if (regs && !regs_f) continue;
     if (regs) printf(" W_hh in registers:\n");
-    const int t = regs ? rbt : bt;
-    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, t, regs), fa, nc, nc, ForwardSmem(g, G, 4, t).total);
+    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), fa, nc, nc, ForwardSmem(g, G, 4, bt).total);
     report(0, 7, T, fnames);
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
@@ -100,9 +99,8 @@ int main(int argc, char** argv) {
   for (bool regs : {false, true}) {
     if (regs && !regs_b) continue;
     if (regs) printf(" W_hh in registers:\n");
-    const int t = regs ? rbt : bt;
-    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, t, regs), ba, nc, nc,
-           BackwardSmem(g, G, 4, t, backward_fields(Cell::kLSTM)).total);
+    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), ba, nc, nc,
+           BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total);
     report(1, 6, T, bnames);
   }
   return 0;

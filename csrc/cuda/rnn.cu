@@ -69,23 +69,24 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 }
 
 // Clocks of one forward step (the backward step moves the same bytes), fitted to the step timings
-// of benchmarks/probe/step_timing.cu on an H200 (LSTM, hidden 256; BENCHMARKS.md):
-//   products  latency-bound at 8 warps per SM: ~2.4 clocks per FMA-clock of the block (its FMAs over
-//             128 lanes, samples padded to the batch tile) plus, from shared memory, the W bytes of
-//             each batch tile at 128 B/clock (one sample, cluster of 16: 1,628 measured; 3 samples,
-//             cluster of 8: 4,881); with W in registers a ~500-clock floor instead (840 at one sample);
+// of benchmarks/probe/step_timing.cu on an H200 (LSTM, hidden 256; BENCHMARKS.md, sixth session):
+//   products  from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per FMA-clock of the
+//             block (its FMAs over 128 lanes, samples padded to the batch tile) and per 128 B of W
+//             read for each batch tile (one sample, cluster of 16: 1,348-1,628 measured; 4 samples:
+//             2,588; 3 samples, cluster of 8: 4,853); with W in registers ~850 clocks of latency plus
+//             the FMA-clocks (one sample 915, two 1,018);
 //   cell      the cell, the output stores and the next step's loads, ~1,100;
-//   exchange  cluster: ~900 plus the floats each block sends (bs * hs to each of nc blocks);
+//   exchange  cluster: ~850 plus the floats each block sends (bs * hs to each of nc blocks);
 //             grid: every block reads every sample's h and writes/reads partials (L2 bytes at
 //             ~2.9 KB/clock) and a global barrier.
 // More groups with fewer samples each win while they fit on the GPU at once.
 double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool regs) {
   const double R = G * hs, K = round_up(H, 4);
   const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  double products = regs ? 500.0 + 2.4 * fma : 100.0 + 2.4 * (wread + fma);
+  double products = regs ? 850.0 + fma : 100.0 + 2.4 * (wread + fma);
   const double cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
   double exchange = 300.0 + 150.0 * bs;
-  if (sync == Sync::kCluster) exchange = 900.0 + 0.6 * bs * hs * nc;
+  if (sync == Sync::kCluster) exchange = 850.0 + 0.12 * bs * hs * nc;
   if (sync == Sync::kGrid) {
     products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;  // not refitted
     const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
@@ -106,8 +107,12 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
   if (ceil_div(H, hs) != nc) return false;  // a block would hold no unit
   const Sync sync = nc == 1 ? Sync::kLocal : Sync::kCluster;
   bool found = false;
-  for (int groups_wanted = std::min(B, 1024); groups_wanted >= 1; groups_wanted = groups_wanted * 3 / 4) {
-    const int bs = ceil_div(B, groups_wanted), groups = ceil_div(B, bs);
+  // Every group count, each with its fewest samples per group (bs rising: the first bs of a count).
+  int last_groups = 0;
+  for (int bs = 1; bs <= B; ++bs) {
+    const int groups = ceil_div(B, bs);
+    if (groups == last_groups) continue;
+    last_groups = groups;
     if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
     // fp32: W_hh in registers where a thread's share fits; one sample takes it per direction, more
     // samples in both or neither (the plan has one batch tile).
@@ -115,7 +120,7 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
     const bool fits_f = fp32 && fits_registers(G * hs, round_up(H, 4) / 4);
     const bool fits_b = fp32 && fits_registers(H, round_up(G * hs, 4) / 4);
     const bool regs_f = bs == 1 ? fits_f : fits_f && fits_b, regs_b = bs == 1 ? fits_b : fits_f && fits_b;
-    const int bt = regs_f && regs_b ? regs_batch_tile(bs) : batch_tile(bs);
+    const int bt = batch_tile(bs);
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
     const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
@@ -133,7 +138,6 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
         found = true;
       }
     }
-    if (groups_wanted == 1) break;
   }
   return found;
 }

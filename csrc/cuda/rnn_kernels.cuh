@@ -162,34 +162,27 @@ struct BackwardSmem {
 
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
 // (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `regs`: the
-// variant that keeps W_hh in registers (fp32; fits_registers says when it applies), with batch tile
-// 1 for one sample per group and 2 otherwise (regs_batch_tile).
+// variant that keeps W_hh in registers (fp32; fits_registers says when it applies).
 const void* forward_kernel(Cell c, Weights w, int bt, bool regs);
 const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
 
-// The register kernels' batch tile: with W in registers a wider tile saves no loads (RegTile), so
-// 2 keeps the padding of odd sample counts small.
-__host__ __device__ constexpr int regs_batch_tile(int bs) { return bs <= 1 ? 1 : 2; }
-
-#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT)                   \
-  switch (bt) {                                              \
-    case 1: return (const void*)KERNEL<C, 1, WT, false>;     \
-    case 2: return (const void*)KERNEL<C, 2, WT, false>;     \
-    case 4: return (const void*)KERNEL<C, 4, WT, false>;     \
-    default: return (const void*)KERNEL<C, 8, WT, false>;    \
+#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT, REGS)           \
+  switch (bt) {                                            \
+    case 1: return (const void*)KERNEL<C, 1, WT, REGS>;    \
+    case 2: return (const void*)KERNEL<C, 2, WT, REGS>;    \
+    case 4: return (const void*)KERNEL<C, 4, WT, REGS>;    \
+    default: return (const void*)KERNEL<C, 8, WT, REGS>;   \
   }
-#define VLSEQ_RNN_REGS(KERNEL, C) \
-  return bt == 1 ? (const void*)KERNEL<C, 1, float, true> : (const void*)KERNEL<C, 2, float, true>;
-#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                   \
-  const void* NAME(Cell c, Weights w, int bt, bool regs) {                     \
-    if (c == Cell::kLSTM) {                                                    \
-      if (w == Weights::kFP32 && regs) VLSEQ_RNN_REGS(KERNEL, Cell::kLSTM)     \
-      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float) \
-      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)                  \
-    }                                                                          \
-    if (w == Weights::kFP32 && regs) VLSEQ_RNN_REGS(KERNEL, Cell::kGRU)        \
-    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float)    \
-    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)                     \
+#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                         \
+  const void* NAME(Cell c, Weights w, int bt, bool regs) {                           \
+    if (c == Cell::kLSTM) {                                                          \
+      if (w == Weights::kFP32 && regs) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float, true) \
+      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float, false)        \
+      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16, false)                         \
+    }                                                                                \
+    if (w == Weights::kFP32 && regs) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float, true)    \
+    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float, false)           \
+    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16, false)                            \
   }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -416,9 +409,10 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
 // products at a few samples per block (64 KB per block and step at hidden 256, ~500 clocks at
 // 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of
 // its tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read and sums them in the
-// same order; several samples run BT at a time over the same registers, so one v load feeds
-// kRowTile * 4 FMAs whatever BT is (BT only adds independent accumulators). At BT = 1 the results
-// have the same bits as matvec<1>. Needs fits_registers(rows, k4n).
+// same order (at BT = 1 the same bits as matvec<1>). Samples run BT at a time; a pass costs about
+// 1,000 clocks of latency at hidden 256 whatever BT is (step_timing: one pass of 2 samples 1,018,
+// two passes 2,224), so the host picks BT to cover a block's samples in one pass.
+// Needs fits_registers(rows, k4n).
 struct RegTile {
   float4 w[kRowTile][kRegChunks];
   int ks;
