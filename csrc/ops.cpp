@@ -44,13 +44,15 @@ TORCH_LIBRARY(vlseq_ext, m) {
   // recurrence only (input projection before, weight gradients after). Semantics, shapes and
   // outputs: csrc/include/vlseq/rnn.h. On CUDA one persistent launch keeps W_hh on chip for all
   // steps (csrc/cuda/rnn.cu). cell: lstm | gru; weights: fp32 | bf16 (W_hh's precision on chip).
+  // max_blocks: the SMs the launch may plan for (0: the whole GPU; half of it lets a bidirectional
+  // layer's two directions run side by side). Forward and backward of a layer must pass the same.
   m.def("rnn_forward(str cell, Tensor xproj, Tensor w_hh, Tensor? b_hh, Tensor h0, Tensor? c0, Tensor lengths, "
-        "bool reverse, str weights) -> (Tensor y, Tensor h_n, Tensor c_n, Tensor saved, Tensor cs)");
+        "bool reverse, str weights, int max_blocks=0) -> (Tensor y, Tensor h_n, Tensor c_n, Tensor saved, Tensor cs)");
   m.def("rnn_backward(str cell, Tensor w_hh, Tensor y, Tensor saved, Tensor cs, Tensor h0, Tensor? c0, "
-        "Tensor lengths, Tensor? dy, Tensor? dh_n, Tensor? dc_n, bool reverse, str weights) "
+        "Tensor lengths, Tensor? dy, Tensor? dh_n, Tensor? dc_n, bool reverse, str weights, int max_blocks=0) "
         "-> (Tensor dgates, Tensor dgates_hn, Tensor dh0, Tensor dc0)");
   // How the kernels would run a layer of this size on `like`'s device: on CUDA the layout ("cluster
   // 16 x 2 groups, ..."), or "" when W_hh does not fit on chip (vlseq_ext.nn then falls back to
   // torch's RNN); "cpu" on the CPU.
-  m.def("rnn_plan(str cell, int hidden_size, int batch, str weights, Tensor like) -> str");
+  m.def("rnn_plan(str cell, int hidden_size, int batch, str weights, Tensor like, int max_blocks=0) -> str");
 }

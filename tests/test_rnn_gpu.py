@@ -8,6 +8,7 @@ The oracle is torch's own module in float64 on a PackedSequence (each sample its
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -163,6 +164,17 @@ def test_plans_cover_the_layouts():
     assert ops.rnn_plan("lstm", 256, 1, "fp32", DEV).startswith("cluster")
     assert ops.rnn_plan("gru", 1024, 8, "fp32", DEV).startswith("grid")
     assert ops.rnn_plan("lstm", 4096, 1, "fp32", DEV) == ""  # 256 MiB of W_hh: no layout holds it
+
+
+@pytest.mark.parametrize("B", [1, 32, 256])
+def test_plans_within_a_block_budget(B):
+    """A plan for half the SMs (a bidirectional layer's directions side by side) uses at most that many."""
+    half = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    plan = ops.rnn_plan("gru", 256, B, "fp32", DEV, max_blocks=half)
+    m = re.match(r"cluster (\d+) blocks x (\d+) groups", plan)
+    assert m and int(m.group(1)) * int(m.group(2)) <= half, plan
+    if B == 1:
+        assert ops.rnn_plan("lstm", 256, B, "fp32", DEV, max_blocks=8).startswith("cluster 8 blocks x 1 groups")
 
 
 def test_too_large_falls_back_with_one_warning(rand):

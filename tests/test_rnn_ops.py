@@ -152,3 +152,19 @@ def test_fake_kernels_give_the_shapes():
 
 def test_plan_on_cpu():
     assert ops.rnn_plan("lstm", 256, 4, "fp32", "cpu") == "cpu"
+    assert ops.rnn_plan("lstm", 256, 4, "fp32", "cpu", max_blocks=66) == "cpu"
+
+
+@pytest.mark.parametrize("call", ["forward", "backward", "plan"])
+def test_negative_block_budget_is_refused(call):
+    xp, w, h0 = torch.zeros(2, 5, 12), torch.zeros(12, 4), torch.zeros(2, 4)
+    lens = torch.tensor([5, 3])
+    with pytest.raises(RuntimeError, match="max_blocks must be >= 0"):
+        if call == "forward":
+            torch.ops.vlseq_ext.rnn_forward("gru", xp, w, None, h0, None, lens, False, "fp32", -1)
+        elif call == "backward":
+            y, _, cs = torch.zeros(2, 5, 4), None, torch.zeros(0)
+            torch.ops.vlseq_ext.rnn_backward("gru", w, y, torch.zeros(2, 5, 16), cs, h0, None, lens, None, None, None,
+                                             False, "fp32", -1)
+        else:
+            torch.ops.vlseq_ext.rnn_plan("gru", 4, 2, "fp32", torch.empty(0), -1)

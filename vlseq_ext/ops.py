@@ -289,23 +289,24 @@ def _rnn_args(names, values):
 
 
 def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], h0: Tensor, c0: Optional[Tensor],
-                lengths: Tensor, reverse: bool = False, weights: str = "fp32"):
+                lengths: Tensor, reverse: bool = False, weights: str = "fp32", max_blocks: int = 0):
     """One LSTM/GRU layer in one direction over a zero-padded batch with per-sample lengths: the
     recurrence after the input projection. Returns (y, h_n, c_n, saved, cs); see
     csrc/include/vlseq/rnn.h for shapes and what each holds. `cell`: "lstm" | "gru"; `weights`:
     "fp32" | "bf16" (W_hh's precision in the recurrent products; state and sums stay fp32). All
     float32 and contiguous on one device, lengths int64 there (clamped to [0, T] by the kernels).
-    On CUDA one persistent launch runs every step (csrc/cuda/rnn.cu). Writes only new tensors."""
+    On CUDA one persistent launch runs every step (csrc/cuda/rnn.cu), planned for at most
+    `max_blocks` SMs (0: the whole GPU; rnn_backward must get the same). Writes only new tensors."""
     values = (xproj, w_hh, b_hh, h0, c0, lengths)
     args = lambda: _rnn_args(("xproj", "w_hh", "b_hh", "h0", "c0", "lengths"), values)  # noqa: E731
     return _run("rnn_forward", args,
-                lambda: torch.ops.vlseq_ext.rnn_forward(cell, *values, bool(reverse), weights),
+                lambda: torch.ops.vlseq_ext.rnn_forward(cell, *values, bool(reverse), weights, int(max_blocks)),
                 lambda: reference.rnn_forward(cell, *values, bool(reverse), weights))
 
 
 def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, h0: Tensor, c0: Optional[Tensor],
                  lengths: Tensor, dy: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor],
-                 reverse: bool = False, weights: str = "fp32"):
+                 reverse: bool = False, weights: str = "fp32", max_blocks: int = 0):
     """Backward of rnn_forward through the recurrence: (dgates, dgates_hn, dh0, dc0), where dgates is
     the gradient of xproj and, for a GRU, dgates_hn that of W_hn h + b_hn (rnn.h). Missing dy, dh_n,
     dc_n count as zeros. Weight gradients are GEMMs of these (vlseq_ext.nn.functional)."""
@@ -313,21 +314,21 @@ def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, 
     args = lambda: _rnn_args(("w_hh", "y", "saved", "cs", "h0", "c0", "lengths", "dy", "dh_n", "dc_n"),  # noqa: E731
                              values)
     return _run("rnn_backward", args,
-                lambda: torch.ops.vlseq_ext.rnn_backward(cell, *values, bool(reverse), weights),
+                lambda: torch.ops.vlseq_ext.rnn_backward(cell, *values, bool(reverse), weights, int(max_blocks)),
                 lambda: reference.rnn_backward(cell, *values, bool(reverse), weights))
 
 
-def rnn_plan(cell: str, hidden_size: int, batch: int, weights: str, device) -> str:
-    """How the kernels would run a layer of this size on `device`: on CUDA the layout ("cluster 16
-    blocks x 2 groups, ..."), or "" when W_hh does not fit on chip (or the GPU has no thread-block
-    clusters); "cpu" for the CPU; "" without the compiled kernels."""
+def rnn_plan(cell: str, hidden_size: int, batch: int, weights: str, device, max_blocks: int = 0) -> str:
+    """How the kernels would run a layer of this size on `device` within `max_blocks` SMs (0: all):
+    on CUDA the layout ("cluster 16 blocks x 2 groups, ..."), or "" when W_hh does not fit on chip
+    (or the GPU has no thread-block clusters); "cpu" for the CPU; "" without the compiled kernels."""
     device = torch.device(device)
     if device.type == "cuda" and not has_rnn_kernels():
         return ""
     if not _native():
         return "cpu" if device.type == "cpu" else ""
     like = torch.empty(0, device=device)
-    return torch.ops.vlseq_ext.rnn_plan(cell, int(hidden_size), int(batch), weights, like)
+    return torch.ops.vlseq_ext.rnn_plan(cell, int(hidden_size), int(batch), weights, like, int(max_blocks))
 
 
 def _same_device(op: str, tensors: Sequence[Optional[Tensor]], ref: str, device: torch.device) -> None:
@@ -363,13 +364,13 @@ def _register_fakes() -> None:
     fake("vlseq_ext::broadcast_tensors_")(lambda srcs, dsts: _kinds("broadcast_tensors_", "srcs+dsts", [*srcs, *dsts]))
     fake("vlseq_ext::p2p_status")(lambda buffers: "fake")
 
-    def rnn_forward_fake(cell, xproj, w_hh, b_hh, h0, c0, lengths, reverse, weights):
+    def rnn_forward_fake(cell, xproj, w_hh, b_hh, h0, c0, lengths, reverse, weights, max_blocks=0):
         B, T, H = xproj.shape[0], xproj.shape[1], w_hh.shape[-1]
         lstm = cell == "lstm"
         return (xproj.new_empty(B, T, H), xproj.new_empty(B, H), xproj.new_empty(B, H) if lstm else xproj.new_empty(0),
                 xproj.new_empty(B, T, 4 * H), xproj.new_empty(B, T, H) if lstm else xproj.new_empty(0))
 
-    def rnn_backward_fake(cell, w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n, reverse, weights):
+    def rnn_backward_fake(cell, w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n, reverse, weights, max_blocks=0):
         B, T, H = y.shape
         lstm = cell == "lstm"
         return (y.new_empty(B, T, w_hh.shape[0]), y.new_empty(0) if lstm else y.new_empty(B, T, H), y.new_empty(B, H),

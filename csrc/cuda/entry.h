@@ -40,8 +40,9 @@ struct LayerPlan {
   std::string describe() const;
 };
 
-// Never throws: a layer the kernels cannot hold is a plan with ok = false.
-LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device);
+// Never throws: a layer the kernels cannot hold is a plan with ok = false. max_blocks > 0: the plan
+// uses at most that many SMs (one block per SM), so that another launch can run beside it.
+LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device, int64_t max_blocks = 0);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_run(
     const LayerPlan& plan, const Sizes& sizes, const at::Tensor& xproj, const at::Tensor& w_hh,

@@ -101,7 +101,8 @@ struct Cost {
 };
 
 // The plan for nc blocks per group (cluster or local) with the fewest estimated clocks, if any.
-bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDeviceProp& p, int device, Cost& best) {
+bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
+                  Cost& best) {
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
   const int hs = ceil_div(H, nc);
   if (ceil_div(H, hs) != nc) return false;  // a block would hold no unit
@@ -128,8 +129,11 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
     const void* bk = backward_kernel(cell, w, bt, regs_b);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
-    const int resident = std::min(resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p));
-    if (resident > 0) {
+    const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
+                                   sms / nc});
+    // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
+    const bool within = sms == p.multiProcessorCount || groups <= resident;
+    if (resident > 0 && within) {
       const double clocks = ceil_div(groups, resident) *
                             step_clocks(sync, G, hs, H, bs, bt, nc, std::min(groups, resident), wbytes, regs_f && regs_b);
       if (!best.plan.ok || clocks < best.clocks) {
@@ -143,13 +147,13 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, const cudaDevicePr
 }
 
 // The grid plan (W_hh over more than 16 blocks): all groups resident at once, chunked staging of h.
-bool grid_plan(Cell cell, Weights w, int H, int B, const cudaDeviceProp& p, int device, Cost& best) {
+bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
   bool found = false;
-  for (int nc = kMaxCluster + 1; nc <= p.multiProcessorCount; ++nc) {
+  for (int nc = kMaxCluster + 1; nc <= sms; ++nc) {
     const int hs = ceil_div(H, nc);
     if (ceil_div(H, hs) != nc) continue;
-    const int groups_max = p.multiProcessorCount / nc;  // one block per SM (W fills shared memory)
+    const int groups_max = sms / nc;  // one block per SM (W fills shared memory)
     const int bs = ceil_div(B, groups_max), groups = ceil_div(B, bs), bt = batch_tile(bs);
     if (bs * hs > kThreads * kMaxItems) continue;
     Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
@@ -226,10 +230,10 @@ std::string LayerPlan::describe() const {
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
 }
 
-LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device) {
-  using Key = std::tuple<int, int, int64_t, int64_t, int>;
+LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device, int64_t max_blocks) {
+  using Key = std::tuple<int, int, int64_t, int64_t, int, int64_t>;
   static std::map<Key, LayerPlan> cache;
-  const Key key{static_cast<int>(cell), static_cast<int>(weights), hidden, batch, device};
+  const Key key{static_cast<int>(cell), static_cast<int>(weights), hidden, batch, device, max_blocks};
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = cache.find(key);
@@ -251,14 +255,17 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     plan.why_not = "hidden size or batch beyond the kernels' limits";
   } else {
     const int H = static_cast<int>(hidden), B = static_cast<int>(batch);
+    // The SMs the plan may use: blocks of every group at once (occupancy below is per SM).
+    const int sms = max_blocks > 0 ? static_cast<int>(std::min<int64_t>(max_blocks, p.multiProcessorCount))
+                                   : p.multiProcessorCount;
     Cost best;
-    for (int nc : {1, 2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, p, device, best);
-    if (!best.plan.ok) grid_plan(cell, weights, H, B, p, device, best);
+    for (int nc : {1, 2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, best);
+    if (!best.plan.ok) grid_plan(cell, weights, H, B, sms, p, device, best);
     plan = best.plan;
     if (!plan.ok) {
       const int64_t bytes = num_gates(cell) * hidden * hidden * (weights == Weights::kFP32 ? 4 : 2);
       plan.why_not = "W_hh (" + std::to_string(bytes >> 20) + " MiB) does not fit in the shared memory of " +
-                     std::to_string(p.multiProcessorCount) + " blocks";
+                     std::to_string(sms) + " blocks";
     }
   }
   std::lock_guard<std::mutex> lock(g_mutex);

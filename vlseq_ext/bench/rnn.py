@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from .. import ops
 from .. import nn as vnn
+from ..nn import concurrency
 from .results import Results, Skip, Task, fmt
 from .timing import Budget, synchronizer, time_loop
 
@@ -151,9 +152,15 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
 
 def _measure(p: Point, method: str, dev: torch.device, budget: Budget, res: Results) -> None:
     if method == "vlseq":
-        plan = ops.rnn_plan(p.cell, p.hidden, p.batch, "bf16" if p.precision == "bf16" else "fp32", dev)
+        weights = "bf16" if p.precision == "bf16" else "fp32"
+        plan = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev)
         if not plan:
             raise Skip(f"{p.cell} hidden {p.hidden} does not fit the kernels")
+        if p.bidirectional:  # what the module runs: each direction on half the GPU when they fit side by side
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            half = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, sms // 2)
+            if concurrency.side_by_side(half, sms):
+                plan = f"each direction: {half}; directions side by side"
         res.set(f"rnn.points.{p.name}.plan", plan)
     sync = synchronizer([dev])
     with precision(p.precision):

@@ -72,10 +72,11 @@ def _weight_grads(cell: str, precision: str, dgates: Tensor, dgates_hn: Optional
 
 
 class _Layer(torch.autograd.Function):
-    """One layer, one direction: y (B, T, H), h_n, c_n from x (B, T, D)."""
+    """One layer, one direction: y (B, T, H), h_n, c_n from x (B, T, D); the launches planned for at
+    most max_blocks SMs (0: the whole GPU)."""
 
     @staticmethod
-    def forward(ctx, cell: str, precision: str, reverse: bool, x: Tensor, lengths: Tensor, h0: Tensor,
+    def forward(ctx, cell: str, precision: str, reverse: bool, max_blocks: int, x: Tensor, lengths: Tensor, h0: Tensor,
                 c0: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
         B, T, D = x.shape
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -85,8 +86,8 @@ class _Layer(torch.autograd.Function):
             y, h_n, c_n, saved, cs = ops.rnn_forward(
                 cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(),
                 None if b_hh is None else b_hh.contiguous(), h0.contiguous(),
-                None if c0 is None else c0.contiguous(), lengths, reverse, precision)
-        ctx.meta = (cell, precision, reverse)
+                None if c0 is None else c0.contiguous(), lengths, reverse, precision, max_blocks)
+        ctx.meta = (cell, precision, reverse, max_blocks)
         ctx.set_materialize_grads(False)  # unused outputs cost no zero tensors (the ops take None)
         if cell == "gru":
             ctx.mark_non_differentiable(c_n)  # an empty placeholder
@@ -96,19 +97,19 @@ class _Layer(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor]):
-        cell, precision, reverse = ctx.meta
+        cell, precision, reverse, max_blocks = ctx.meta
         x, lengths, h0, c0, w_ih, w_hh, y, saved, cs = ctx.saved_tensors
         B, T, D = x.shape
         with torch.autocast(device_type=x.device.type, enabled=False):
             dgates, dgates_hn, dh0, dc0 = ops.rnn_backward(
                 cell, w_hh.contiguous(), y, saved, cs, h0.contiguous(), None if c0 is None else c0.contiguous(),
                 lengths, None if dy is None else dy.contiguous(), None if dh_n is None else dh_n.contiguous(),
-                None if dc_n is None or cell == "gru" else dc_n.contiguous(), reverse, precision)
+                None if dc_n is None or cell == "gru" else dc_n.contiguous(), reverse, precision, max_blocks)
             need = ctx.needs_input_grad
-            dx = _gemm(dgates.view(B * T, -1), w_ih, precision).view(B, T, D) if need[3] else None
-            grads = _weight_grads(cell, precision, dgates, dgates_hn, x, y, h0, lengths, reverse, need[7:11])
-        return (None, None, None, dx, None, dh0 if need[5] else None, dc0 if cell == "lstm" and need[6] else None,
-                *grads)
+            dx = _gemm(dgates.view(B * T, -1), w_ih, precision).view(B, T, D) if need[4] else None
+            grads = _weight_grads(cell, precision, dgates, dgates_hn, x, y, h0, lengths, reverse, need[8:12])
+        return (None, None, None, None, dx, None, dh0 if need[6] else None,
+                dc0 if cell == "lstm" and need[7] else None, *grads)
 
 
 class _Pipelined(torch.autograd.Function):
@@ -247,7 +248,7 @@ def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[T
 
 
 def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1,
-        directions_side_by_side: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        side_by_side_blocks: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Runs `module` (an nn.LSTM or nn.GRU, float32, on CUDA or CPU) on the kernels.
 
     x: (B, T, input_size), zero-padded after each sample's end; lengths: (B,) int64 on x's device;
@@ -256,8 +257,9 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
     padded steps and h_n/c_n the states after each sample's own last step (step 0 for the reverse
     direction). Training mode applies the module's inter-layer dropout. chunks > 1 pipelines a
     unidirectional stack over that many time windows (see _Pipelined; concurrency.pipeline_chunks chooses it);
-    directions_side_by_side runs a bidirectional layer's two directions at once on two streams
-    (concurrency.side_by_side says when)."""
+    side_by_side_blocks > 0 runs a bidirectional layer's two directions at once on two streams, each
+    launch planned for at most that many SMs (the modules give half the GPU when
+    concurrency.side_by_side allows it)."""
     lstm = isinstance(module, nn.LSTM)
     cell = "lstm" if lstm else "gru"
     dirs = 2 if module.bidirectional else 1
@@ -280,7 +282,9 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
         return out, h_n, (c_n if lstm else None)
     # The reverse direction on a side stream, beside the forward one (its backward follows it there:
     # autograd runs a node's backward on its forward's stream).
-    main, streams = concurrency.streams_for(x, 2) if dirs == 2 and directions_side_by_side else (None, [None, None])
+    side_by_side = dirs == 2 and side_by_side_blocks > 0
+    main, streams = concurrency.streams_for(x, 2) if side_by_side else (None, [None, None])
+    max_blocks = side_by_side_blocks if side_by_side else 0
     h_out, c_out = [], []
     for layer in range(module.num_layers):
         outs = []
@@ -289,7 +293,7 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
             k = layer * dirs + d
             w_ih, w_hh, b_ih, b_hh = weights_of(module, layer, bool(d))
             with concurrency.on(streams[d]):
-                y, h_n, c_n = _Layer.apply(cell, precision, bool(d), layer_in, lengths, h0[k],
+                y, h_n, c_n = _Layer.apply(cell, precision, bool(d), max_blocks, layer_in, lengths, h0[k],
                                            c0[k] if lstm else None, w_ih, w_hh, b_ih, b_hh)
             outs.append(y)
             h_out.append(h_n)

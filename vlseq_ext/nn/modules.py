@@ -84,13 +84,13 @@ class _KernelRNN:
             return f"a {cell} of hidden size {self.hidden_size} does not fit the kernels on {x.device}"
         return None
 
-    def _plan(self, batch: int, device: torch.device) -> str:
+    def _plan(self, batch: int, device: torch.device, max_blocks: int = 0) -> str:
         # Cached per module: rnn_plan is cached in C++ too, but each call allocates a tensor.
         cache = self.__dict__.setdefault("_vlseq_plans", {})
         cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
-        key = (cell, self.hidden_size, batch, str(device))
+        key = (cell, self.hidden_size, batch, str(device), max_blocks)
         if key not in cache:
-            cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device)
+            cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device, max_blocks)
         return cache[key]
 
     def _chunks(self, x: Tensor, batch: int, steps: int) -> int:
@@ -100,12 +100,17 @@ class _KernelRNN:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return concurrency.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
 
-    def _side_by_side(self, x: Tensor, batch: int) -> bool:
-        """Whether the two directions run at once (concurrency.side_by_side); False off the GPU."""
+    def _side_by_side(self, x: Tensor, batch: int) -> int:
+        """The SMs each direction's launches are planned for when the two directions run at once:
+        half the GPU where such a plan exists and fits twice (concurrency.side_by_side); 0 (one
+        after the other, each on the whole GPU) otherwise and off the GPU. Half the GPU for each
+        is the better use: at batch 32 and hidden 256 a whole-GPU plan already pads its samples
+        to the batch tile, so it is no faster per direction (BENCHMARKS.md, sixth session)."""
         if not x.is_cuda or not self.bidirectional:
-            return False
+            return 0
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return concurrency.side_by_side(self._plan(batch, x.device), sms)
+        half = sms // 2
+        return half if concurrency.side_by_side(self._plan(batch, x.device, half), sms) else 0
 
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
@@ -149,7 +154,7 @@ class _KernelRNN:
             steps = lengths if lengths is not None else torch.full((B,), T, dtype=torch.long, device=x.device)
             self._check_state(hx, B, x)
             out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T),
-                                           directions_side_by_side=self._side_by_side(x, B))
+                                           side_by_side_blocks=self._side_by_side(x, B))
             state = (h_n, c_n) if isinstance(self, nn.LSTM) else h_n
         if unbatched:
             out = out.squeeze(0)
@@ -214,7 +219,7 @@ class _KernelRNN:
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
         out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, x.shape[1]),
-                                       directions_side_by_side=self._side_by_side(x, B))
+                                       side_by_side_blocks=self._side_by_side(x, B))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
             out = out.index_select(0, packed.sorted_indices)
