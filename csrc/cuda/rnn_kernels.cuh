@@ -143,14 +143,22 @@ struct ForwardSmem {
 // GRU r, z, n, W_hn h + b_hn, h_{t-1}, dy.
 __host__ __device__ constexpr int backward_fields(Cell c) { return c == Cell::kLSTM ? 7 : 6; }
 
+// Whether a cluster's backward delivers its partials by bulk copies (Mailbox::send_bulk): one copy of
+// bs * hs floats per owner block, 16-byte multiples. Per-value st.async stores cost ~3 clocks each
+// (2,048 per step at 8 samples and hidden 256: most of the backward step).
+__host__ __device__ constexpr bool bulk_delivery(const Geometry& g) {
+  return g.sync == Sync::kCluster && (g.bs * g.hs) % 4 == 0;
+}
+
 struct BackwardSmem {
-  int wt, dg, recv, dh, dc, ddir, lens, bars, total;
+  int wt, dg, recv, stage, dh, dc, ddir, lens, bars, total;
   __host__ __device__ BackwardSmem(const Geometry& g, int G, int wbytes, int bt, int F) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
     int off = 0;
     wt = off, off += round_up(Kp * (Rp + 4) * wbytes, 16);
     dg = off, off += round_up(g.bs, bt) * Rp * 4;
-    recv = off, off += g.sync == Sync::kGrid ? 0 : 2 * g.nc * g.bs * g.hs * 4;
+    recv = off, off += g.sync == Sync::kGrid ? 0 : round_up(2 * g.nc * g.bs * g.hs * 4, 16);
+    stage = off, off += bulk_delivery(g) ? g.nc * g.bs * g.hs * 4 : 0;  // partials by owner, [owner][b][j]
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -229,6 +237,21 @@ struct Mailbox {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
   }
+  // bytes (a multiple of 16, both addresses 16-byte aligned) from this block's `local_src` to
+  // `local_dst` in block `rank`, counted on its mbarrier of `parity`: one copy by the bulk-copy
+  // engine. The writers of the source must have run fence_async() before a barrier that precedes
+  // this; the source may be rewritten only after wait_read().
+  __device__ __forceinline__ void send_bulk(int rank, uint32_t local_dst, uint32_t local_src, uint32_t bytes,
+                                            int parity) const {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        "cp.async.bulk.commit_group;\n" ::"r"(peer(local_dst, rank)), "r"(local_src), "r"(bytes),
+        "r"(peer(bars + 8 * parity, rank)) : "memory");
+  }
+  // This thread's shared-memory writes, visible to the bulk-copy engine (the async proxy).
+  __device__ __forceinline__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+  // Returns when this thread's bulk copies have read their sources.
+  __device__ __forceinline__ static void wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
@@ -736,13 +759,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   const Block blk(g);
   const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x;
-  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
+  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster, bulk = bulk_delivery(g);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const BackwardSmem lay(g, G, sizeof(WT), BT, F);
   WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
   float* recv_s = reinterpret_cast<float*>(smem + lay.recv);
+  float* stage = reinterpret_cast<float*>(smem + lay.stage);
   float* dh_s = reinterpret_cast<float*>(smem + lay.dh);
   float* dc_s = reinterpret_cast<float*>(smem + lay.dc);
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
@@ -819,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   prefetch(smax - 1);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
-    if (cluster) mbox.expect(cur, static_cast<uint32_t>(g.nc * bv * hv * 4));
+    if (cluster) mbox.expect(cur, static_cast<uint32_t>(bulk ? g.nc * g.bs * hs * 4 : g.nc * bv * hv * 4));
     float p[kMaxItems][F];
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i)
@@ -868,6 +892,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
         ddir[at] = dht * z;
       }
     }
+    if (bulk && tid < g.nc) Mailbox::wait_read();  // last step's copies have read `stage`
     __syncthreads();
     VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
@@ -877,6 +902,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       const int owner = k / hs, at = (rank * g.bs + b) * hs + (k - owner * hs);
       if (grid)
         __stcg(part + static_cast<int64_t>(b) * H + k, v);
+      else if (bulk)
+        stage[(owner * g.bs + b) * hs + (k - owner * hs)] = v;
       else if (cluster)
         mbox.send(owner, smem_u32(recv_next + at), cur, v);
       else
@@ -886,6 +913,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       wr.matvec<BT>(H, Rp / 4, dg_s, Rp, bv, deliver);
     else
       matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
+    if (bulk) {  // one copy per owner: this block's rows [rank] of its recv buffer
+      Mailbox::fence_async();
+      __syncthreads();
+      if (tid < g.nc) {
+        const uint32_t n = g.bs * hs;
+        mbox.send_bulk(tid, smem_u32(recv_next + rank * n), smem_u32(stage + tid * n), 4 * n, cur);
+      }
+    }
     VLSEQ_MARK(1, 3, s);
     if (!cluster) bar.arrive();
     VLSEQ_MARK(1, 4, s);
@@ -905,6 +940,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       bar.wait();
     VLSEQ_MARK(1, 6, s);
   }
+  if (bulk && tid < g.nc) Mailbox::wait_read();  // sources stay valid until read
 #pragma unroll
   for (int i = 0; i < kMaxItems; ++i) {
     const int b = it.b[i], j = it.j[i];
