@@ -17,7 +17,9 @@
 //   kLocal   nc = 1: the block's own shared memory, __syncthreads.
 //   kCluster nc <= 16 blocks of one thread-block cluster: st.async stores into the other blocks'
 //            shared memory (distributed shared memory), each counting its bytes on the receiver's
-//            mbarrier (Mailbox below); a block waits only until its own bytes have arrived.
+//            mbarrier (Mailbox below); a block waits only until its own bytes have arrived. The
+//            backward stages its partials by owner and sends each owner one bulk copy
+//            (cp.async.bulk, counted on the same mbarrier) where the sizes allow (bulk_delivery).
 //   kGrid    W_hh too large for a cluster: the exchange goes through global memory (L2) and a
 //            barrier on a per-group arrival counter (grid_barrier below). The host launches it
 //            cooperatively, which guarantees that every block of the grid is resident at once, so
@@ -37,7 +39,9 @@
 // received every block's step s+1 data, which each block sends after its step s reads of that
 // buffer are done (a __syncthreads orders them); the receiver arms the buffer's mbarrier for a
 // step only after its wait for the buffer's previous fill, and that fill's phase parity is
-// (fill index) & 1. Blocks
+// (fill index) & 1. A bulk copy's source (the backward's staging
+// buffer) is rewritten only after its sender has waited for the copy to read it (wait_read, before
+// the barrier that precedes the next step's products). Blocks
 // initialise only their own buffers' padding (never entries others write), and a barrier after the
 // set-up guarantees that every block of a cluster has started before the first remote store.
 // Global exchange buffers are read with ld.global.cg (L2, never a stale L1 line).
@@ -67,9 +71,11 @@ constexpr int kWarps = kThreads / 32;
 // (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
-// W_hh in registers (RegTile below): float4 chunks of each of its kRowTile rows a thread holds,
-// 2 x 8 x 4 = 64 registers.
-constexpr int kRegChunks = 8;
+// W_hh in registers (RegTile below): a thread holds kRegChunks float4 chunks of each of kRegRows
+// rows, 4 x 4 x 4 = 64 registers. Four rows per tile, twice matvec's, halve the loads of v, which
+// bound the products at several samples (8 samples, hidden 256: 3,225 clocks with two rows).
+constexpr int kRegRows = 4;
+constexpr int kRegChunks = 4;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -128,7 +134,7 @@ struct ForwardSmem {
   __host__ __device__ ForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
-    w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
+    w = off, off += round_up(round_up(R, kRegRows) * (Kp + 4) * wbytes, 16);  // rows padded for either tile
     h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -261,8 +267,8 @@ struct Mailbox {
 
 // Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:
 // they combine with shuffles) and at most one float4 chunk each.
-__host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
-  const int tiles = ceil_div(rows, kRowTile) * ceil_div(nb, bt);
+__host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n, int row_tile = kRowTile) {
+  const int tiles = ceil_div(rows, row_tile) * ceil_div(nb, bt);
   int ks = 1;
   while (ks < 32 && tiles * ks * 2 <= kThreads && ks * 2 <= k4n) ks *= 2;
   return ks;
@@ -271,8 +277,8 @@ __host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
 // Whether products over `rows` rows of W and k4n float4 chunks can hold W in registers (RegTile):
 // one row tile per thread and at most kRegChunks chunks per lane.
 __host__ __device__ inline bool fits_registers(int rows, int k4n) {
-  const int ks = split_lanes(rows, 1, 1, k4n);
-  return ceil_div(rows, kRowTile) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
+  const int ks = split_lanes(rows, 1, 1, k4n, kRegRows);
+  return ceil_div(rows, kRegRows) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
 }
 
 #if defined(__CUDACC__)
@@ -359,24 +365,24 @@ struct GroupBarrier {
   }
 };
 
-// The end of a product tile: the ks lanes that split k combine their sums with a butterfly (a
-// fixed order: the same bits every run), then lane 0 of a real tile stores rows r0.. and samples
-// b0.. that exist. Every lane of the warp must call it (the shuffles).
-template <int BT, typename Store>
-__device__ __forceinline__ void reduce_and_store(float (&acc)[kRowTile][BT], int ks, int q, bool real, int r0,
+// The end of a product tile of ROWS rows: the ks lanes that split k combine their sums with a
+// butterfly (a fixed order: the same bits every run), then lane 0 of a real tile stores rows r0..
+// and samples b0.. that exist. Every lane of the warp must call it (the shuffles).
+template <int ROWS, int BT, typename Store>
+__device__ __forceinline__ void reduce_and_store(float (&acc)[ROWS][BT], int ks, int q, bool real, int r0,
                                                  int rows, int b0, int nb, Store& store) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     if (off < ks) {
 #pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
+      for (int i = 0; i < ROWS; ++i)
 #pragma unroll
         for (int j = 0; j < BT; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
     }
   }
   if (q == 0 && real) {
 #pragma unroll
-    for (int i = 0; i < kRowTile; ++i)
+    for (int i = 0; i < ROWS; ++i)
 #pragma unroll
       for (int j = 0; j < BT; ++j)
         if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i][j]);
@@ -424,47 +430,45 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
         }
       }
     }
-    reduce_and_store<BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
+    reduce_and_store<kRowTile, BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
   }
 }
 
 // Products with W held in registers: reading W from shared memory every step is what bounds the
 // products at a few samples per block (64 KB per block and step at hidden 256, ~500 clocks at
-// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of
-// its tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read and sums them in the
-// same order (at BT = 1 the same bits as matvec<1>). Samples run BT at a time; a pass costs about
-// 1,000 clocks of latency at hidden 256 whatever BT is (step_timing: one pass of 2 samples 1,018,
-// two passes 2,224), so the host picks BT to cover a block's samples in one pass.
-// Needs fits_registers(rows, k4n).
+// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, its tile's
+// rows r0 .. r0 + kRegRows - 1 at chunks q, q + ks, ... (ks lanes split k as in matvec, with tiles
+// of kRegRows rows). All of a block's samples run in one pass of BT (the host picks BT to cover
+// them): a pass costs ~850 clocks of latency whatever its width. Needs fits_registers(rows, k4n).
 struct RegTile {
-  float4 w[kRowTile][kRegChunks];
+  float4 w[kRegRows][kRegChunks];
   int ks;
 
   template <typename WT>
   __device__ __forceinline__ void load(const WT* W, int ldw, int rows, int k4n) {
-    ks = split_lanes(rows, 1, 1, k4n);
-    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRowTile) - 1);
+    ks = split_lanes(rows, 1, 1, k4n, kRegRows);
+    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRegRows) - 1);
     const int q = threadIdx.x % ks;
 #pragma unroll
     for (int c = 0; c < kRegChunks; ++c) {
       const int k4 = q + c * ks;
 #pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-        w[i][c] = k4 < k4n ? load4(W + (tile * kRowTile + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int i = 0; i < kRegRows; ++i)
+        w[i][c] = k4 < k4n ? load4(W + (tile * kRegRows + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 
-  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; v rows up to round_up(nb, BT)
-  // must be readable.
+  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; W rows up to
+  // round_up(rows, kRegRows) and v rows up to round_up(nb, BT) must be readable.
   template <int BT, typename Store>
   __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, int ldv, int nb, Store&& store) const {
-    const int nrt = ceil_div(rows, kRowTile);
+    const int nrt = ceil_div(rows, kRegRows);
     const int tile_raw = static_cast<int>(threadIdx.x) / ks, tile = min(tile_raw, nrt - 1);
-    const int q = threadIdx.x % ks, r0 = tile * kRowTile;
+    const int q = threadIdx.x % ks, r0 = tile * kRegRows;
     for (int b0 = 0; b0 < nb; b0 += BT) {
-      float acc[kRowTile][BT];
+      float acc[kRegRows][BT];
 #pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
+      for (int i = 0; i < kRegRows; ++i)
 #pragma unroll
         for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
       const float* v0 = v + b0 * ldv;
@@ -476,7 +480,7 @@ struct RegTile {
         for (int j = 0; j < BT; ++j) {
           const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
 #pragma unroll
-          for (int i = 0; i < kRowTile; ++i) {
+          for (int i = 0; i < kRegRows; ++i) {
             acc[i][j] = fmaf(w[i][c].x, x.x, acc[i][j]);
             acc[i][j] = fmaf(w[i][c].y, x.y, acc[i][j]);
             acc[i][j] = fmaf(w[i][c].z, x.z, acc[i][j]);
@@ -484,7 +488,7 @@ struct RegTile {
           }
         }
       }
-      reduce_and_store<BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
+      reduce_and_store<kRegRows, BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
     }
   }
 };
@@ -567,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
   // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
   auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
 
-  load_weights<false>(w_s, ldw, round_up(R, kRowTile), ldw, a.w_hh, G, g, blk);
+  load_weights<false>(w_s, ldw, round_up(R, kRegRows), ldw, a.w_hh, G, g, blk);
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < g.bs * hs; e += kThreads) {
     const int b = e / hs, j = e - b * hs;
