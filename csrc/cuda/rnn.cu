@@ -73,8 +73,8 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 //   products  from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per FMA-clock of the
 //             block (its FMAs over 128 lanes, samples padded to the batch tile) and per 128 B of W
 //             read for each batch tile (one sample, cluster of 16: 1,348-1,628 measured; 4 samples:
-//             2,588; 3 samples, cluster of 8: 4,853); with W in registers ~400 clocks plus ~2.7 per
-//             FMA-clock (one sample 918, two 1,019, four 1,791, eight 3,225: rows of two per tile);
+//             2,588; 3 samples, cluster of 8: 4,853); with W in registers ~850 clocks of latency plus
+//             the FMA-clocks (one sample 915, two 1,018);
 //   cell      the cell, the output stores and the next step's loads, ~1,100;
 //   exchange  cluster: ~850 plus the floats each block sends (bs * hs to each of nc blocks);
 //             grid: every block reads every sample's h and writes/reads partials (L2 bytes at
@@ -83,7 +83,7 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool regs) {
   const double R = G * hs, K = round_up(H, 4);
   const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  double products = regs ? 400.0 + 2.7 * fma : 100.0 + 2.4 * (wread + fma);
+  double products = regs ? 850.0 + fma : 100.0 + 2.4 * (wread + fma);
   const double cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
   double exchange = 300.0 + 150.0 * bs;
   if (sync == Sync::kCluster) exchange = 850.0 + 0.12 * bs * hs * nc;

@@ -17,9 +17,7 @@
 //   kLocal   nc = 1: the block's own shared memory, __syncthreads.
 //   kCluster nc <= 16 blocks of one thread-block cluster: st.async stores into the other blocks'
 //            shared memory (distributed shared memory), each counting its bytes on the receiver's
-//            mbarrier (Mailbox below); a block waits only until its own bytes have arrived. The
-//            backward stages its partials by owner and sends each owner one bulk copy
-//            (cp.async.bulk, counted on the same mbarrier) where the sizes allow (bulk_delivery).
+//            mbarrier (Mailbox below); a block waits only until its own bytes have arrived.
 //   kGrid    W_hh too large for a cluster: the exchange goes through global memory (L2) and a
 //            barrier on a per-group arrival counter (grid_barrier below). The host launches it
 //            cooperatively, which guarantees that every block of the grid is resident at once, so
@@ -39,9 +37,7 @@
 // received every block's step s+1 data, which each block sends after its step s reads of that
 // buffer are done (a __syncthreads orders them); the receiver arms the buffer's mbarrier for a
 // step only after its wait for the buffer's previous fill, and that fill's phase parity is
-// (fill index) & 1. A bulk copy's source (the backward's staging
-// buffer) is rewritten only after its sender has waited for the copy to read it (wait_read, before
-// the barrier that precedes the next step's products). Blocks
+// (fill index) & 1. Blocks
 // initialise only their own buffers' padding (never entries others write), and a barrier after the
 // set-up guarantees that every block of a cluster has started before the first remote store.
 // Global exchange buffers are read with ld.global.cg (L2, never a stale L1 line).
@@ -71,11 +67,9 @@ constexpr int kWarps = kThreads / 32;
 // (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
-// W_hh in registers (RegTile below): a thread holds kRegChunks float4 chunks of each of kRegRows
-// rows, 4 x 4 x 4 = 64 registers. Four rows per tile, twice matvec's, halve the loads of v, which
-// bound the products at several samples (8 samples, hidden 256: 3,225 clocks with two rows).
-constexpr int kRegRows = 4;
-constexpr int kRegChunks = 4;
+// W_hh in registers (RegTile below): float4 chunks of each of its kRowTile rows a thread holds,
+// 2 x 8 x 4 = 64 registers.
+constexpr int kRegChunks = 8;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -134,7 +128,7 @@ struct ForwardSmem {
   __host__ __device__ ForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
-    w = off, off += round_up(round_up(R, kRegRows) * (Kp + 4) * wbytes, 16);  // rows padded for either tile
+    w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
     h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -149,22 +143,14 @@ struct ForwardSmem {
 // GRU r, z, n, W_hn h + b_hn, h_{t-1}, dy.
 __host__ __device__ constexpr int backward_fields(Cell c) { return c == Cell::kLSTM ? 7 : 6; }
 
-// Whether a cluster's backward delivers its partials by bulk copies (Mailbox::send_bulk): one copy of
-// bs * hs floats per owner block, 16-byte multiples. Per-value st.async stores cost ~3 clocks each
-// (2,048 per step at 8 samples and hidden 256: most of the backward step).
-__host__ __device__ constexpr bool bulk_delivery(const Geometry& g) {
-  return g.sync == Sync::kCluster && (g.bs * g.hs) % 4 == 0;
-}
-
 struct BackwardSmem {
-  int wt, dg, recv, stage, dh, dc, ddir, lens, bars, total;
+  int wt, dg, recv, dh, dc, ddir, lens, bars, total;
   __host__ __device__ BackwardSmem(const Geometry& g, int G, int wbytes, int bt, int F) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
     int off = 0;
     wt = off, off += round_up(Kp * (Rp + 4) * wbytes, 16);
     dg = off, off += round_up(g.bs, bt) * Rp * 4;
-    recv = off, off += g.sync == Sync::kGrid ? 0 : round_up(2 * g.nc * g.bs * g.hs * 4, 16);
-    stage = off, off += bulk_delivery(g) ? g.nc * g.bs * g.hs * 4 : 0;  // partials by owner, [owner][b][j]
+    recv = off, off += g.sync == Sync::kGrid ? 0 : 2 * g.nc * g.bs * g.hs * 4;
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -243,21 +229,6 @@ struct Mailbox {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
   }
-  // bytes (a multiple of 16, both addresses 16-byte aligned) from this block's `local_src` to
-  // `local_dst` in block `rank`, counted on its mbarrier of `parity`: one copy by the bulk-copy
-  // engine. The writers of the source must have run fence_async() before a barrier that precedes
-  // this; the source may be rewritten only after wait_read().
-  __device__ __forceinline__ void send_bulk(int rank, uint32_t local_dst, uint32_t local_src, uint32_t bytes,
-                                            int parity) const {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-        "cp.async.bulk.commit_group;\n" ::"r"(peer(local_dst, rank)), "r"(local_src), "r"(bytes),
-        "r"(peer(bars + 8 * parity, rank)) : "memory");
-  }
-  // This thread's shared-memory writes, visible to the bulk-copy engine (the async proxy).
-  __device__ __forceinline__ static void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-  // Returns when this thread's bulk copies have read their sources.
-  __device__ __forceinline__ static void wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
@@ -267,8 +238,8 @@ struct Mailbox {
 
 // Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:
 // they combine with shuffles) and at most one float4 chunk each.
-__host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n, int row_tile = kRowTile) {
-  const int tiles = ceil_div(rows, row_tile) * ceil_div(nb, bt);
+__host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
+  const int tiles = ceil_div(rows, kRowTile) * ceil_div(nb, bt);
   int ks = 1;
   while (ks < 32 && tiles * ks * 2 <= kThreads && ks * 2 <= k4n) ks *= 2;
   return ks;
@@ -277,8 +248,8 @@ __host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n, in
 // Whether products over `rows` rows of W and k4n float4 chunks can hold W in registers (RegTile):
 // one row tile per thread and at most kRegChunks chunks per lane.
 __host__ __device__ inline bool fits_registers(int rows, int k4n) {
-  const int ks = split_lanes(rows, 1, 1, k4n, kRegRows);
-  return ceil_div(rows, kRegRows) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
+  const int ks = split_lanes(rows, 1, 1, k4n);
+  return ceil_div(rows, kRowTile) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
 }
 
 #if defined(__CUDACC__)
@@ -365,24 +336,24 @@ struct GroupBarrier {
   }
 };
 
-// The end of a product tile of ROWS rows: the ks lanes that split k combine their sums with a
-// butterfly (a fixed order: the same bits every run), then lane 0 of a real tile stores rows r0..
-// and samples b0.. that exist. Every lane of the warp must call it (the shuffles).
-template <int ROWS, int BT, typename Store>
-__device__ __forceinline__ void reduce_and_store(float (&acc)[ROWS][BT], int ks, int q, bool real, int r0,
+// The end of a product tile: the ks lanes that split k combine their sums with a butterfly (a
+// fixed order: the same bits every run), then lane 0 of a real tile stores rows r0.. and samples
+// b0.. that exist. Every lane of the warp must call it (the shuffles).
+template <int BT, typename Store>
+__device__ __forceinline__ void reduce_and_store(float (&acc)[kRowTile][BT], int ks, int q, bool real, int r0,
                                                  int rows, int b0, int nb, Store& store) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     if (off < ks) {
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i)
+      for (int i = 0; i < kRowTile; ++i)
 #pragma unroll
         for (int j = 0; j < BT; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
     }
   }
   if (q == 0 && real) {
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i)
+    for (int i = 0; i < kRowTile; ++i)
 #pragma unroll
       for (int j = 0; j < BT; ++j)
         if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i][j]);
@@ -430,45 +401,47 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
         }
       }
     }
-    reduce_and_store<kRowTile, BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
+    reduce_and_store<BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
   }
 }
 
 // Products with W held in registers: reading W from shared memory every step is what bounds the
 // products at a few samples per block (64 KB per block and step at hidden 256, ~500 clocks at
-// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, its tile's
-// rows r0 .. r0 + kRegRows - 1 at chunks q, q + ks, ... (ks lanes split k as in matvec, with tiles
-// of kRegRows rows). All of a block's samples run in one pass of BT (the host picks BT to cover
-// them): a pass costs ~850 clocks of latency whatever its width. Needs fits_registers(rows, k4n).
+// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of
+// its tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read and sums them in the
+// same order (at BT = 1 the same bits as matvec<1>). Samples run BT at a time; a pass costs about
+// 1,000 clocks of latency at hidden 256 whatever BT is (step_timing: one pass of 2 samples 1,018,
+// two passes 2,224), so the host picks BT to cover a block's samples in one pass.
+// Needs fits_registers(rows, k4n).
 struct RegTile {
-  float4 w[kRegRows][kRegChunks];
+  float4 w[kRowTile][kRegChunks];
   int ks;
 
   template <typename WT>
   __device__ __forceinline__ void load(const WT* W, int ldw, int rows, int k4n) {
-    ks = split_lanes(rows, 1, 1, k4n, kRegRows);
-    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRegRows) - 1);
+    ks = split_lanes(rows, 1, 1, k4n);
+    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRowTile) - 1);
     const int q = threadIdx.x % ks;
 #pragma unroll
     for (int c = 0; c < kRegChunks; ++c) {
       const int k4 = q + c * ks;
 #pragma unroll
-      for (int i = 0; i < kRegRows; ++i)
-        w[i][c] = k4 < k4n ? load4(W + (tile * kRegRows + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int i = 0; i < kRowTile; ++i)
+        w[i][c] = k4 < k4n ? load4(W + (tile * kRowTile + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 
-  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; W rows up to
-  // round_up(rows, kRegRows) and v rows up to round_up(nb, BT) must be readable.
+  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; v rows up to round_up(nb, BT)
+  // must be readable.
   template <int BT, typename Store>
   __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, int ldv, int nb, Store&& store) const {
-    const int nrt = ceil_div(rows, kRegRows);
+    const int nrt = ceil_div(rows, kRowTile);
     const int tile_raw = static_cast<int>(threadIdx.x) / ks, tile = min(tile_raw, nrt - 1);
-    const int q = threadIdx.x % ks, r0 = tile * kRegRows;
+    const int q = threadIdx.x % ks, r0 = tile * kRowTile;
     for (int b0 = 0; b0 < nb; b0 += BT) {
-      float acc[kRegRows][BT];
+      float acc[kRowTile][BT];
 #pragma unroll
-      for (int i = 0; i < kRegRows; ++i)
+      for (int i = 0; i < kRowTile; ++i)
 #pragma unroll
         for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
       const float* v0 = v + b0 * ldv;
@@ -480,7 +453,7 @@ struct RegTile {
         for (int j = 0; j < BT; ++j) {
           const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
 #pragma unroll
-          for (int i = 0; i < kRegRows; ++i) {
+          for (int i = 0; i < kRowTile; ++i) {
             acc[i][j] = fmaf(w[i][c].x, x.x, acc[i][j]);
             acc[i][j] = fmaf(w[i][c].y, x.y, acc[i][j]);
             acc[i][j] = fmaf(w[i][c].z, x.z, acc[i][j]);
@@ -488,7 +461,7 @@ struct RegTile {
           }
         }
       }
-      reduce_and_store<kRegRows, BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
+      reduce_and_store<BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
     }
   }
 };
@@ -571,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
   // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
   auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
 
-  load_weights<false>(w_s, ldw, round_up(R, kRegRows), ldw, a.w_hh, G, g, blk);
+  load_weights<false>(w_s, ldw, round_up(R, kRowTile), ldw, a.w_hh, G, g, blk);
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < g.bs * hs; e += kThreads) {
     const int b = e / hs, j = e - b * hs;
@@ -763,14 +736,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   const Block blk(g);
   const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x;
-  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster, bulk = bulk_delivery(g);
+  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
   const BackwardSmem lay(g, G, sizeof(WT), BT, F);
   WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
   float* recv_s = reinterpret_cast<float*>(smem + lay.recv);
-  float* stage = reinterpret_cast<float*>(smem + lay.stage);
   float* dh_s = reinterpret_cast<float*>(smem + lay.dh);
   float* dc_s = reinterpret_cast<float*>(smem + lay.dc);
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
@@ -847,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   prefetch(smax - 1);
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
-    if (cluster) mbox.expect(cur, static_cast<uint32_t>(bulk ? g.nc * g.bs * hs * 4 : g.nc * bv * hv * 4));
+    if (cluster) mbox.expect(cur, static_cast<uint32_t>(g.nc * bv * hv * 4));
     float p[kMaxItems][F];
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i)
@@ -896,7 +868,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
         ddir[at] = dht * z;
       }
     }
-    if (bulk && tid < g.nc) Mailbox::wait_read();  // last step's copies have read `stage`
     __syncthreads();
     VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
@@ -906,8 +877,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       const int owner = k / hs, at = (rank * g.bs + b) * hs + (k - owner * hs);
       if (grid)
         __stcg(part + static_cast<int64_t>(b) * H + k, v);
-      else if (bulk)
-        stage[(owner * g.bs + b) * hs + (k - owner * hs)] = v;
       else if (cluster)
         mbox.send(owner, smem_u32(recv_next + at), cur, v);
       else
@@ -917,14 +886,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       wr.matvec<BT>(H, Rp / 4, dg_s, Rp, bv, deliver);
     else
       matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
-    if (bulk) {  // one copy per owner: this block's rows [rank] of its recv buffer
-      Mailbox::fence_async();
-      __syncthreads();
-      if (tid < g.nc) {
-        const uint32_t n = g.bs * hs;
-        mbox.send_bulk(tid, smem_u32(recv_next + rank * n), smem_u32(stage + tid * n), 4 * n, cur);
-      }
-    }
     VLSEQ_MARK(1, 3, s);
     if (!cluster) bar.arrive();
     VLSEQ_MARK(1, 4, s);
@@ -944,7 +905,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       bar.wait();
     VLSEQ_MARK(1, 6, s);
   }
-  if (bulk && tid < g.nc) Mailbox::wait_read();  // sources stay valid until read
 #pragma unroll
   for (int i = 0; i < kMaxItems; ++i) {
     const int b = it.b[i], j = it.j[i];
