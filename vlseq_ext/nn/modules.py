@@ -26,7 +26,9 @@ __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning
 KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 # "auto" follows the rnn bench on an H200 (BENCHMARKS.md, 2026-12-01; forward + backward, ours against
 # cuDNN in the same run). cuDNN stays where it measured faster:
-# - unpadded input up to hidden 128, where cuDNN runs its own persistent kernel (ours 0.35-0.87x);
+# - unpadded input up to hidden 128, where cuDNN runs its own persistent kernel (ours 0.43x at hidden
+#   64 with 32 samples; at hidden 128 the LSTM now measures 1.1-1.3x, but the GRU and bidirectional
+#   layers there are unmeasured, so the rule stays at 128);
 # - unpadded input under bf16 autocast (ours 0.84x at hidden 256, 0.29x at 1024);
 # - the grid layout with 16 or more samples per block (fp32 LSTM 1024 at batch 32: 0.88x; TF32 0.52x).
 # Everywhere else ours measured faster: 1.2-1.5x at hidden 256, 2.1x at hidden 512 and 1.4x at 1024
