@@ -1,10 +1,11 @@
 // Where one step of the persistent LSTM kernels spends its time: block 0's thread 0 stamps clock64()
 // at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
-// Usage: step_timing H B nc   (LSTM, fp32, 480 steps, one group of B samples on nc blocks: W_hh in
-// shared memory, then in registers where it fits)
+// Usage: step_timing H B nc [lstm|gru] [fp32|bf16]   (default LSTM, fp32; 480 steps, one group of B
+// samples on nc blocks: W_hh in shared memory, then, in fp32, in registers where it fits)
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "rnn_kernels.cuh"
@@ -70,8 +71,12 @@ void report(int dir, int phases, int T, const char* const* names) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
   const int H = argc > 1 ? atoi(argv[1]) : 256, B = argc > 2 ? atoi(argv[2]) : 1, nc = argc > 3 ? atoi(argv[3]) : 16;
-  const int T = 480, G = 4, hs = (H + nc - 1) / nc;
-  printf("LSTM H=%d B=%d T=%d, %d blocks per group\n", H, B, T, nc);
+  const bool lstm = !(argc > 4 && strcmp(argv[4], "gru") == 0);
+  const bool bf16 = argc > 5 && strcmp(argv[5], "bf16") == 0;
+  const Cell cell = lstm ? Cell::kLSTM : Cell::kGRU;
+  const Weights wt = bf16 ? Weights::kBF16 : Weights::kFP32;
+  const int T = 480, G = lstm ? 4 : 3, hs = (H + nc - 1) / nc, wbytes = bf16 ? 2 : 4;
+  printf("%s H=%d B=%d T=%d %s, %d blocks per group\n", lstm ? "LSTM" : "GRU", H, B, T, bf16 ? "bf16" : "fp32", nc);
   Geometry g{B, T, H, nc, hs, B, B, nc > 1 ? Sync::kCluster : Sync::kLocal, 0};
   std::vector<int64_t> lens(B, T);
   int64_t* dlens;
@@ -82,25 +87,26 @@ int main(int argc, char** argv) {
   float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
   float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
   const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
-  ForwardArgs fa{g, xp, w, bias, h0, c0, dlens, y, hn, cn, saved, cs, nullptr, nullptr};
+  ForwardArgs fa{g, xp, w, bias, h0, lstm ? c0 : nullptr, dlens, y, hn, lstm ? cn : nullptr, saved,
+                 lstm ? cs : nullptr, nullptr, nullptr};
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
-  const bool regs_f = fits_registers(G * hs, (H + 3) / 4);
-  const bool regs_b = fits_registers(H, (G * hs + 3) / 4);
+  const bool regs_f = !bf16 && fits_registers(G * hs, (H + 3) / 4);
+  const bool regs_b = !bf16 && fits_registers(H, (G * hs + 3) / 4);
   for (bool regs : {false, true}) {
     if (regs && !regs_f) continue;
     if (regs) printf(" W_hh in registers:\n");
-    launch(forward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), fa, nc, nc, ForwardSmem(g, G, 4, bt).total);
+    launch(forward_kernel(cell, wt, bt, regs), fa, nc, nc, ForwardSmem(g, G, wbytes, bt).total);
     report(0, 7, T, fnames);
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
-  float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0);
-  BackwardArgs ba{g, w, y, saved, cs, h0, c0, dlens, dy, nullptr, nullptr, dgates, nullptr, dh0, dc0, nullptr, nullptr};
+  float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0), *dghn = upload((size_t)B * T * H, 0);
+  BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, dy, nullptr, nullptr, dgates,
+                  lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, nullptr, nullptr};
   for (bool regs : {false, true}) {
     if (regs && !regs_b) continue;
     if (regs) printf(" W_hh in registers:\n");
-    launch(backward_kernel(Cell::kLSTM, Weights::kFP32, bt, regs), ba, nc, nc,
-           BackwardSmem(g, G, 4, bt, backward_fields(Cell::kLSTM)).total);
+    launch(backward_kernel(cell, wt, bt, regs), ba, nc, nc, BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
     report(1, 6, T, bnames);
   }
   return 0;
