@@ -63,6 +63,10 @@ void check_limits(const char* op, int64_t B, int64_t T, int64_t H) {
               num(T), " H=", num(H));
 }
 
+void check_max_blocks(const char* op, int64_t max_blocks) {
+  TORCH_CHECK(max_blocks >= 0, op, ": max_blocks must be >= 0 (0: the whole GPU), got ", num(max_blocks));
+}
+
 }  // namespace
 
 Cell parse_cell(const char* op, const std::string& name) {
@@ -79,10 +83,11 @@ Weights parse_weights(const char* op, const std::string& name) {
 
 Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::Tensor& w_hh,
                     const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
-                    const at::Tensor& lengths, const std::string& weights) {
+                    const at::Tensor& lengths, const std::string& weights, int64_t max_blocks) {
   const char* op = "rnn_forward";
   const Cell c = parse_cell(op, cell);
   const Weights w = parse_weights(op, weights);
+  check_max_blocks(op, max_blocks);
   const int64_t G = num_gates(c);
   TORCH_CHECK(xproj.defined() && xproj.dim() == 3, op, ": xproj must have shape (batch, steps, ", num(G),
               " * hidden)", xproj.defined() ? ", got " + shape(xproj) : std::string());
@@ -102,17 +107,18 @@ Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::
     TORCH_CHECK(!given(c0), op, ": a GRU has no cell state; pass c0=None");
   }
   check_lengths(op, lengths, B, device);
-  return {c, w, B, T, H};
+  return {c, w, B, T, H, max_blocks};
 }
 
 Sizes check_backward(const std::string& cell, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
                      const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
                      const at::Tensor& lengths, const std::optional<at::Tensor>& dy,
                      const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
-                     const std::string& weights) {
+                     const std::string& weights, int64_t max_blocks) {
   const char* op = "rnn_backward";
   const Cell c = parse_cell(op, cell);
   const Weights w = parse_weights(op, weights);
+  check_max_blocks(op, max_blocks);
   const int64_t G = num_gates(c);
   TORCH_CHECK(y.defined() && y.dim() == 3, op, ": y must have shape (batch, steps, hidden)",
               y.defined() ? ", got " + shape(y) : std::string());
@@ -134,7 +140,17 @@ Sizes check_backward(const std::string& cell, const at::Tensor& w_hh, const at::
   check_lengths(op, lengths, B, device);
   check_optional(op, "dy", dy, {B, T, H}, device);
   check_optional(op, "dh_n", dh_n, {B, H}, device);
-  return {c, w, B, T, H};
+  return {c, w, B, T, H, max_blocks};
+}
+
+Sizes check_plan(const std::string& cell, int64_t hidden_size, int64_t batch, const std::string& weights,
+                 int64_t max_blocks) {
+  const char* op = "rnn_plan";
+  const Cell c = parse_cell(op, cell);
+  const Weights w = parse_weights(op, weights);
+  TORCH_CHECK(hidden_size >= 1 && batch >= 1, op, ": hidden_size and batch must be >= 1");
+  check_max_blocks(op, max_blocks);
+  return {c, w, batch, 1, hidden_size, max_blocks};
 }
 
 }  // namespace vlseq::rnn

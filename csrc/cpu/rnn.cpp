@@ -37,8 +37,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_forwa
     c10::string_view cell, const at::Tensor& xproj, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_hh,
     const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths, bool reverse,
     c10::string_view weights, int64_t max_blocks) {
-  TORCH_CHECK(max_blocks >= 0, "rnn_forward: max_blocks must be >= 0 (0: the whole GPU), got ", max_blocks);
-  const Sizes z = check_forward(std::string(cell), xproj, w_hh, b_hh, h0, c0, lengths, std::string(weights));
+  const Sizes z =
+      check_forward(std::string(cell), xproj, w_hh, b_hh, h0, c0, lengths, std::string(weights), max_blocks);
   const bool lstm = z.cell == Cell::kLSTM;
   const int64_t B = z.B, T = z.T, H = z.H, G = num_gates(z.cell), GH = G * H;
   auto opts = xproj.options();
@@ -99,9 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cpu(
     const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
     const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
     bool reverse, c10::string_view weights, int64_t max_blocks) {
-  TORCH_CHECK(max_blocks >= 0, "rnn_backward: max_blocks must be >= 0 (0: the whole GPU), got ", max_blocks);
   const Sizes z = check_backward(std::string(cell), w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n,
-                                 std::string(weights));
+                                 std::string(weights), max_blocks);
   const bool lstm = z.cell == Cell::kLSTM;
   const int64_t B = z.B, T = z.T, H = z.H, G = num_gates(z.cell), GH = G * H;
   auto opts = y.options();
@@ -174,10 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cpu(
 
 std::string rnn_plan_cpu(c10::string_view cell, int64_t hidden_size, int64_t batch, c10::string_view weights,
                          const at::Tensor&, int64_t max_blocks) {
-  parse_cell("rnn_plan", std::string(cell));
-  parse_weights("rnn_plan", std::string(weights));
-  TORCH_CHECK(hidden_size >= 1 && batch >= 1, "rnn_plan: hidden_size and batch must be >= 1");
-  TORCH_CHECK(max_blocks >= 0, "rnn_plan: max_blocks must be >= 0 (0: the whole GPU), got ", max_blocks);
+  check_plan(std::string(cell), hidden_size, batch, std::string(weights), max_blocks);
   return "cpu";
 }
 

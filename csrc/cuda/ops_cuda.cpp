@@ -67,9 +67,8 @@ std::string p2p_status_cuda(at::TensorList buffers) {
   return p2p_status_run(buffers);
 }
 
-rnn::LayerPlan checked_plan(const char* op, const rnn::Sizes& z, const at::Device& device, int64_t max_blocks) {
-  TORCH_CHECK(max_blocks >= 0, op, ": max_blocks must be >= 0 (0: the whole GPU), got ", max_blocks);
-  rnn::LayerPlan plan = rnn::plan_layer(z.cell, z.weights, z.H, z.B, device.index(), max_blocks);
+rnn::LayerPlan checked_plan(const char* op, const rnn::Sizes& z, const at::Device& device) {
+  rnn::LayerPlan plan = rnn::plan_layer(z.cell, z.weights, z.H, z.B, device.index(), z.max_blocks);
   TORCH_CHECK(plan.ok, op, ": this layer does not fit the kernels: ", plan.why_not,
               " (vlseq_ext.nn falls back to torch's RNN for such layers)");
   return plan;
@@ -79,8 +78,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_forwa
     c10::string_view cell, const at::Tensor& xproj, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_hh,
     const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths, bool reverse,
     c10::string_view weights, int64_t max_blocks) {
-  const rnn::Sizes z = rnn::check_forward(std::string(cell), xproj, w_hh, b_hh, h0, c0, lengths, std::string(weights));
-  const rnn::LayerPlan plan = checked_plan("rnn_forward", z, xproj.device(), max_blocks);
+  const rnn::Sizes z =
+      rnn::check_forward(std::string(cell), xproj, w_hh, b_hh, h0, c0, lengths, std::string(weights), max_blocks);
+  const rnn::LayerPlan plan = checked_plan("rnn_forward", z, xproj.device());
   return rnn::forward_run(plan, z, xproj, w_hh, b_hh, h0, c0, lengths, reverse);
 }
 
@@ -90,18 +90,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cuda(
     const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
     bool reverse, c10::string_view weights, int64_t max_blocks) {
   const rnn::Sizes z = rnn::check_backward(std::string(cell), w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n,
-                                           std::string(weights));
-  const rnn::LayerPlan plan = checked_plan("rnn_backward", z, y.device(), max_blocks);
+                                           std::string(weights), max_blocks);
+  const rnn::LayerPlan plan = checked_plan("rnn_backward", z, y.device());
   return rnn::backward_run(plan, z, w_hh, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n, reverse);
 }
 
 std::string rnn_plan_cuda(c10::string_view cell, int64_t hidden_size, int64_t batch, c10::string_view weights,
                           const at::Tensor& like, int64_t max_blocks) {
-  const rnn::Cell c = rnn::parse_cell("rnn_plan", std::string(cell));
-  const rnn::Weights w = rnn::parse_weights("rnn_plan", std::string(weights));
-  TORCH_CHECK(hidden_size >= 1 && batch >= 1, "rnn_plan: hidden_size and batch must be >= 1");
-  TORCH_CHECK(max_blocks >= 0, "rnn_plan: max_blocks must be >= 0 (0: the whole GPU), got ", max_blocks);
-  return rnn::plan_layer(c, w, hidden_size, batch, like.device().index(), max_blocks).describe();
+  const rnn::Sizes z = rnn::check_plan(std::string(cell), hidden_size, batch, std::string(weights), max_blocks);
+  return rnn::plan_layer(z.cell, z.weights, z.H, z.B, like.device().index(), z.max_blocks).describe();
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ struct Sizes {
   Cell cell;
   Weights weights;
   int64_t B, T, H;
+  int64_t max_blocks;  // the SMs a launch may plan for, 0: the whole GPU (ignored on the CPU)
 };
 
 // rnn_forward(cell, xproj (B, T, G*H), w_hh (G*H, H), b_hh (G*H)?, h0 (B, H), c0 (B, H)? [LSTM
@@ -40,7 +41,7 @@ struct Sizes {
 // [r, z, n, W_hn h + b_hn]; cs the LSTM cell states.
 Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::Tensor& w_hh,
                     const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
-                    const at::Tensor& lengths, const std::string& weights);
+                    const at::Tensor& lengths, const std::string& weights, int64_t max_blocks);
 
 // rnn_backward(cell, w_hh, y, saved, cs, h0, c0?, lengths, dy?, dh_n?, dc_n?, reverse, weights)
 //   -> (dgates (B, T, G*H): d loss / d xproj, zero at padded steps;
@@ -52,6 +53,10 @@ Sizes check_backward(const std::string& cell, const at::Tensor& w_hh, const at::
                      const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
                      const at::Tensor& lengths, const std::optional<at::Tensor>& dy,
                      const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
-                     const std::string& weights);
+                     const std::string& weights, int64_t max_blocks);
+
+// rnn_plan(cell, hidden_size, batch, weights, like, max_blocks): its arguments (T = 1).
+Sizes check_plan(const std::string& cell, int64_t hidden_size, int64_t batch, const std::string& weights,
+                 int64_t max_blocks);
 
 }  // namespace vlseq::rnn
