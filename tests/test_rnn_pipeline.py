@@ -94,6 +94,19 @@ def test_side_by_side_rule():
     assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)
 
 
+def test_each_direction_gets_half_the_gpu_when_a_plan_fits_there():
+    asked = []
+
+    def plan_for(blocks):
+        asked.append(blocks)
+        return {66: "cluster 16 blocks x 4 groups, 16 units and 8 samples per block"}.get(blocks, "")
+
+    assert concurrency.direction_blocks(plan_for, 132) == 66 and asked == [66]
+    assert concurrency.direction_blocks(plan_for, 100) == 0  # no plan within 50 blocks: one after the other
+    grid = "grid 22 blocks x 2 groups, 24 units and 6 samples per block"
+    assert concurrency.direction_blocks(lambda blocks: grid, 132) == 0
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_frozen_layer_gets_no_gradient_and_the_others_are_unchanged(rand, chunks):
     """Weight gradients are computed only where asked: with layer 0 frozen, layer 1's gradients are

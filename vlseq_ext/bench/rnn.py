@@ -156,11 +156,11 @@ def _measure(p: Point, method: str, dev: torch.device, budget: Budget, res: Resu
         plan = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev)
         if not plan:
             raise Skip(f"{p.cell} hidden {p.hidden} does not fit the kernels")
-        if p.bidirectional:  # what the module runs: each direction on half the GPU when they fit side by side
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            half = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, sms // 2)
-            if concurrency.side_by_side(half, sms):
-                plan = f"each direction: {half}; directions side by side"
+        blocks = concurrency.direction_blocks(lambda b: ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, b),
+                                              concurrency.sm_count(dev)) if p.bidirectional else 0
+        if blocks:  # what the module runs (its _side_by_side)
+            plan = f"each direction: {ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)}; " \
+                   "directions side by side"
         res.set(f"rnn.points.{p.name}.plan", plan)
     sync = synchronizer([dev])
     with precision(p.precision):

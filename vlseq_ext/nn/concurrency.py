@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from typing import List
+from typing import Callable, List
 
 import torch
 from torch import Tensor
 
-__all__ = ["pipeline_chunks", "side_by_side", "streams_for", "on", "record", "fork", "join", "settle"]
+__all__ = ["pipeline_chunks", "side_by_side", "direction_blocks", "sm_count", "streams_for", "on", "record", "fork",
+           "join", "settle"]
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
 # each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
@@ -38,6 +39,21 @@ def side_by_side(plan: str, sm_count: int) -> bool:
     resident together, never the grid layout (its cooperative launch needs its whole grid)."""
     blocks = _blocks(plan)
     return bool(blocks) and 2 * blocks <= sm_count
+
+
+def direction_blocks(plan_for: Callable[[int], str], sms: int) -> int:
+    """The SMs each direction of a bidirectional layer is planned for when the two run at once: half
+    the GPU where `plan_for(max_blocks)` (ops.rnn_plan for the layer) has a plan for it that fits
+    twice (side_by_side); 0 (one direction after the other, each on the whole GPU) otherwise.
+    Measured at batch 32, GRU 256x2 (BENCHMARKS.md, sixth session): 15.9 / 14.4 ms (uniform /
+    lengths 50-500) side by side on half the GPU each, 15.7 / 16.3 one after the other."""
+    half = sms // 2
+    return half if side_by_side(plan_for(half), sms) else 0
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (one block of a plan per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _blocks(plan: str) -> int:

@@ -239,8 +239,6 @@ def _layer_input(x: Tensor, ys, masks, l: int) -> Tensor:
     return inp * masks[l] if masks[l] is not None else inp
 
 
-
-
 def weights_of(module: nn.RNNBase, layer: int, reverse: bool) -> List[Optional[Tensor]]:
     """[w_ih, w_hh, b_ih, b_hh] of one layer and direction (biases None when bias=False)."""
     suffix = "_reverse" if reverse else ""

@@ -99,20 +99,16 @@ class _KernelRNN:
         """Time windows to pipeline the layers over (concurrency.pipeline_chunks); 1 off the GPU."""
         if not x.is_cuda or self.bidirectional or self.num_layers < 2:
             return 1
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return concurrency.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps, sms)
+        return concurrency.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps,
+                                           concurrency.sm_count(x.device))
 
     def _side_by_side(self, x: Tensor, batch: int) -> int:
-        """The SMs each direction's launches are planned for when the two directions run at once:
-        half the GPU where such a plan exists and fits twice (concurrency.side_by_side); 0 (one
-        after the other, each on the whole GPU) otherwise and off the GPU. Half the GPU for each
-        is the better use: at batch 32 and hidden 256 a whole-GPU plan already pads its samples
-        to the batch tile, so it is no faster per direction (BENCHMARKS.md, sixth session)."""
+        """The SMs each direction's launches are planned for when the two directions run at once
+        (concurrency.direction_blocks); 0 (one after the other) for one direction and off the GPU."""
         if not x.is_cuda or not self.bidirectional:
             return 0
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        half = sms // 2
-        return half if concurrency.side_by_side(self._plan(batch, x.device, half), sms) else 0
+        return concurrency.direction_blocks(lambda blocks: self._plan(batch, x.device, blocks),
+                                            concurrency.sm_count(x.device))
 
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
