@@ -109,20 +109,22 @@ def test_wide_two_layer_one_sample_480_steps(rand, cls):
 
 @pytest.mark.parametrize("cls,H,bidirectional", [(nn.LSTM, 256, True), (nn.GRU, 256, False), (nn.GRU, 128, True),
                                                   (nn.LSTM, 100, False)])
-def test_one_sample_layers_keep_w_hh_in_registers(rand, cls, H, bidirectional):
-    """One fp32 sample per cluster: the kernels that hold W_hh in registers (both directions)."""
+def test_one_sample_layers_run_fused(rand, cls, H, bidirectional):
+    """One fp32 sample per cluster: the fused kernels (W_hh in registers, the cell in the product
+    lanes), H = 100 with a last block of fewer units (and warps with none)."""
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, 1, "fp32", DEV)
-    assert H == 100 or "W_hh in registers (forward and backward)" in plan, plan
+    assert "fused cell, W_hh in registers" in plan, plan
     compare(rand, cls, 36, H, bidirectional=bidirectional, lengths=(rand.py.randint(1, 300),))
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
-def test_several_samples_per_block_keep_w_hh_in_registers(rand, cls):
+def test_several_samples_per_block_run_fused(rand, cls):
     """More samples than 16-block clusters fit on the GPU: several fp32 samples per block on the
-    register kernels, two at a time (an odd count pads one), lengths that end at different steps."""
+    fused kernels, in one batch tile (a count below the tile pads it), lengths that end at different
+    steps."""
     B = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 16 + 1
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, B, "fp32", DEV)
-    assert "W_hh in registers (forward and backward)" in plan and " 1 samples per block" not in plan, plan
+    assert "fused cell, W_hh in registers" in plan and " 1 samples per block" not in plan, plan
     compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, B, 1, 300))
 
 

@@ -1,20 +1,20 @@
-// Where one step of the persistent LSTM kernels spends its time: block 0's thread 0 stamps clock64()
-// at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
+// Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
+// clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16]   (default LSTM, fp32; 480 steps, one group of B
-// samples on nc blocks: W_hh in shared memory, then, in fp32, in registers where it fits)
+// samples on nc blocks: the generic kernels, then, in fp32, the fused ones where they fit)
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "rnn_kernels.cuh"
+#include "rnn_fused_kernels.cuh"
 
 using namespace vlseq::rnn;
 
 namespace vlseq::rnn {  // the library's kernel tables, instantiated here as rnn_forward.cu / rnn_backward.cu do
-VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel)
-VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel)
+VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel, rnn_forward_fused_kernel)
+VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel, rnn_backward_fused_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -91,23 +91,25 @@ int main(int argc, char** argv) {
                  lstm ? cs : nullptr, nullptr, nullptr};
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
-  const bool regs_f = !bf16 && fits_registers(G * hs, (H + 3) / 4);
-  const bool regs_b = !bf16 && fits_registers(H, (G * hs + 3) / 4);
-  for (bool regs : {false, true}) {
-    if (regs && !regs_f) continue;
-    if (regs) printf(" W_hh in registers:\n");
-    launch(forward_kernel(cell, wt, bt, regs), fa, nc, nc, ForwardSmem(g, G, wbytes, bt).total);
-    report(0, 7, T, fnames);
+  static const char* fused_names[] = {"products", "cell+send", "stores+prefetch", "wait"};
+  const int Kp = (H + 3) / 4 * 4, Kb = (G * H + 3) / 4 * 4;
+  const bool fused = !bf16 && fits_fused(G, H, hs, B, bt);
+  for (bool f : {false, true}) {
+    if (f && !fused) continue;
+    if (f) printf(" fused:\n");
+    launch(forward_kernel(cell, wt, bt, f), fa, nc, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
+    report(0, f ? 4 : 7, T, f ? fused_names : fnames);
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
   float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0), *dghn = upload((size_t)B * T * H, 0);
   BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, dy, nullptr, nullptr, dgates,
                   lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, nullptr, nullptr};
-  for (bool regs : {false, true}) {
-    if (regs && !regs_b) continue;
-    if (regs) printf(" W_hh in registers:\n");
-    launch(backward_kernel(cell, wt, bt, regs), ba, nc, nc, BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
-    report(1, 6, T, bnames);
+  for (bool f : {false, true}) {
+    if (f && !fused) continue;
+    if (f) printf(" fused:\n");
+    launch(backward_kernel(cell, wt, bt, f), ba, nc, nc,
+           f ? FusedSmem(g, Kb, bt).total : BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
+    report(1, f ? 4 : 6, T, f ? fused_names : bnames);
   }
   return 0;
 }

@@ -35,7 +35,7 @@ struct LayerPlan {
   std::string why_not;  // when !ok: why the kernels cannot hold this layer
   int sync = 0;         // Sync: 0 local, 1 cluster, 2 grid
   int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
-  bool regs_forward = false, regs_backward = false;  // W_hh held in registers (RegTile)
+  bool fused = false;  // the fused kernels (rnn_fused_kernels.cuh): W_hh in registers, the cell in the product lanes
   int64_t smem_forward = 0, smem_backward = 0;
   std::string describe() const;
 };

@@ -1,14 +1,15 @@
-// Host side of the persistent recurrent kernels (rnn_kernels.cuh): the layout of a layer on the
-// GPU (plan_layer), the launches, and the outputs.
+// Host side of the persistent recurrent kernels (rnn_kernels.cuh, rnn_fused_kernels.cuh): the layout
+// of a layer on the GPU (plan_layer), the launches, and the outputs.
 //
 // Layout choice: W_hh (G*H x H) is split over nc blocks by hidden unit. Thread-block clusters of
 // nc <= 16 hold it when it fits (fp32: H up to about 440 for an LSTM), and then each cluster
 // runs bs samples with no coordination with other clusters: many samples, or many one-sample
-// calls on other streams, run side by side. Bigger layers spread over up to one block per SM and
-// synchronise through global memory (kGrid, launched cooperatively). The choice minimises a cost
-// model of one step (shared-memory traffic of W, FMAs, exchange and barrier, in clocks) times the
-// number of waves of groups that do not fit on the GPU at once; BENCHMARKS.md has what it picks and
-// what that measures.
+// calls on other streams, run side by side. Where a block's share of W_hh fits in registers and its
+// samples in one batch tile (fp32, fits_fused), the fused kernels run it. Bigger layers spread over
+// up to one block per SM and synchronise through global memory (kGrid, launched cooperatively). The
+// choice minimises a cost model of one step (products, cell, exchange and barrier, in clocks) times
+// the number of waves of groups that do not fit on the GPU at once; BENCHMARKS.md has what it picks
+// and what that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -68,25 +69,26 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
   return per_sm * p.multiProcessorCount / nc;
 }
 
-// Clocks of one forward step (the backward step moves the same bytes), fitted to the step timings
-// of benchmarks/probe/step_timing.cu on an H200 (LSTM, hidden 256; BENCHMARKS.md, sixth session):
-//   products  from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per FMA-clock of the
-//             block (its FMAs over 128 lanes, samples padded to the batch tile) and per 128 B of W
-//             read for each batch tile (one sample, cluster of 16: 1,348-1,628 measured; 4 samples:
-//             2,588; 3 samples, cluster of 8: 4,853); with W in registers ~850 clocks of latency plus
-//             the FMA-clocks (one sample 915, two 1,018);
-//   cell      the cell, the output stores and the next step's loads, ~1,100;
-//   exchange  cluster: ~850 plus the floats each block sends (bs * hs to each of nc blocks);
+// Clocks of one step, fitted to the step timings of benchmarks/probe/step_timing.cu on an H200
+// (LSTM, hidden 256; BENCHMARKS.md, sixth and seventh sessions):
+//   products  generic kernels, W from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per
+//             FMA-clock of the block (its FMAs over 128 lanes, samples padded to the batch tile) and
+//             per 128 B of W read for each batch tile (one sample, cluster of 16: 1,348-1,628
+//             measured; 4 samples: 2,588; 3 samples, cluster of 8: 4,853); fused kernels: the chain
+//             of products, butterfly and cell (one thread's work) plus the FMA-clocks;
+//   cell      generic kernels only: the cell, the output stores and the next step's loads, ~1,100;
+//   exchange  cluster: ~850 plus the floats each block sends (forward bs * hs to each of nc blocks;
+//             the fused backward G times that, the generic one as many), half of each per step;
 //             grid: every block reads every sample's h and writes/reads partials (L2 bytes at
 //             ~2.9 KB/clock) and a global barrier.
 // More groups with fewer samples each win while they fit on the GPU at once.
-double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool regs) {
+double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool fused) {
   const double R = G * hs, K = round_up(H, 4);
   const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  double products = regs ? 850.0 + fma : 100.0 + 2.4 * (wread + fma);
-  const double cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
+  double products = fused ? 1000.0 + fma : 100.0 + 2.4 * (wread + fma);
+  const double cell = fused ? 0.0 : 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
   double exchange = 300.0 + 150.0 * bs;
-  if (sync == Sync::kCluster) exchange = 850.0 + 0.12 * bs * hs * nc;
+  if (sync == Sync::kCluster) exchange = 850.0 + 0.12 * bs * hs * nc * (fused ? 1.0 + G : 2.0) / 2.0;
   if (sync == Sync::kGrid) {
     products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;  // not refitted
     const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
@@ -115,18 +117,17 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
     if (groups == last_groups) continue;
     last_groups = groups;
     if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
-    // fp32: W_hh in registers where a thread's share fits; one sample takes it per direction, more
-    // samples in both or neither (the plan has one batch tile).
-    const bool fp32 = w == Weights::kFP32;
-    const bool fits_f = fp32 && fits_registers(G * hs, round_up(H, 4) / 4);
-    const bool fits_b = fp32 && fits_registers(H, round_up(G * hs, 4) / 4);
-    const bool regs_f = bs == 1 ? fits_f : fits_f && fits_b, regs_b = bs == 1 ? fits_b : fits_f && fits_b;
     const int bt = batch_tile(bs);
+    const bool fused = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt);
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
-    const int64_t fwd = ForwardSmem(g, G, wbytes, bt).total, bwd = BackwardSmem(g, G, wbytes, bt, F).total;
-    if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;  // larger bs only grows
-    const void* fk = forward_kernel(cell, w, bt, regs_f);
-    const void* bk = backward_kernel(cell, w, bt, regs_b);
+    const int64_t fwd = fused ? FusedSmem(g, round_up(H, 4), bt).total : ForwardSmem(g, G, wbytes, bt).total;
+    const int64_t bwd = fused ? FusedSmem(g, round_up(G * H, 4), bt).total : BackwardSmem(g, G, wbytes, bt, F).total;
+    if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) {
+      if (fused) continue;
+      break;  // the generic kernels' shared memory only grows with bs
+    }
+    const void* fk = forward_kernel(cell, w, bt, fused);
+    const void* bk = backward_kernel(cell, w, bt, fused);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
@@ -135,10 +136,10 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
     const bool within = sms == p.multiProcessorCount || groups <= resident;
     if (resident > 0 && within) {
       const double clocks = ceil_div(groups, resident) *
-                            step_clocks(sync, G, hs, H, bs, bt, nc, std::min(groups, resident), wbytes, regs_f && regs_b);
+                            step_clocks(sync, G, hs, H, bs, bt, nc, std::min(groups, resident), wbytes, fused);
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, regs_f, regs_b, fwd, bwd};
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, fused, fwd, bwd};
         found = true;
       }
     }
@@ -176,7 +177,7 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
     const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, bt, nc, groups, wbytes, false);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, fwd, bwd};
+      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, fwd, bwd};
       found = true;
     }
   }
@@ -222,10 +223,7 @@ std::string LayerPlan::describe() const {
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
          (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") +
-         (regs_forward || regs_backward
-              ? std::string(", W_hh in registers (") + (regs_forward ? "forward" : "") +
-                    (regs_forward && regs_backward ? " and " : "") + (regs_backward ? "backward" : "") + ")"
-              : "") +
+         (fused ? ", fused cell, W_hh in registers" : "") +
          ", shared memory " +
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
 }
@@ -306,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
-  launch(forward_kernel(z.cell, z.weights, bt, plan.regs_forward), a, plan, plan.smem_forward,
+  launch(forward_kernel(z.cell, z.weights, bt, plan.fused), a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
@@ -346,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.regs_backward), a, plan, plan.smem_backward,
+  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.fused), a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }

@@ -1,5 +1,8 @@
 // Persistent LSTM/GRU layer kernels: one launch runs every step of one layer and direction
-// (semantics: csrc/include/vlseq/rnn.h; host side and layout choice: rnn.cu).
+// (semantics: csrc/include/vlseq/rnn.h; host side and layout choice: rnn.cu). This file: what every
+// kernel shares, and the generic kernels (W_hh in shared memory, any batch, every exchange); the
+// fused kernels (W_hh in registers, the cell in the lanes that sum the products, no block-wide
+// barrier per step in a cluster) are in rnn_fused_kernels.cuh.
 //
 // Work split
 // ----------
@@ -67,9 +70,10 @@ constexpr int kWarps = kThreads / 32;
 // (sample, unit) pairs per thread in the cell phase: the planner keeps bs * hs <= kThreads * kMaxItems,
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
-// W_hh in registers (RegTile below): float4 chunks of each of its kRowTile rows a thread holds,
-// 2 x 8 x 4 = 64 registers.
-constexpr int kRegChunks = 8;
+// The fused kernels' W_hh in registers: float4 chunks of k per lane and row (forward: G rows, the
+// gates of one unit; backward: one column as G * kFusedChunks chunks), G x 4 x 4 = 64 registers
+// for an LSTM.
+constexpr int kFusedChunks = 4;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int ceil_div(int x, int m) { return (x + m - 1) / m; }
@@ -160,30 +164,39 @@ struct BackwardSmem {
   }
 };
 
-// The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
-// (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `regs`: the
-// variant that keeps W_hh in registers (fp32; fits_registers says when it applies).
-const void* forward_kernel(Cell c, Weights w, int bt, bool regs);
-const void* backward_kernel(Cell c, Weights w, int bt, bool regs);
+// The fused kernels: lanes per hidden unit (a power of 2 up to a warp, as many as keep the threads
+// busy), and whether a layer fits them: every unit of a block on its own lanes, the block's samples
+// in one batch tile with a lane for each (ks >= bt), W_hh within kFusedChunks chunks per lane and row.
+__host__ __device__ inline int fused_lanes(int hs) {
+  int ks = 1;
+  while (ks < 32 && hs * ks * 2 <= kThreads) ks *= 2;
+  return ks;
+}
+__host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt) {
+  const int ks = fused_lanes(hs);
+  return bs <= bt && hs * ks <= kThreads && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= kFusedChunks &&
+         ceil_div(round_up(G * H, 4) / 4, ks) <= G * kFusedChunks;
+}
 
-#define VLSEQ_RNN_BT_SWITCH(KERNEL, C, WT, REGS)           \
-  switch (bt) {                                            \
-    case 1: return (const void*)KERNEL<C, 1, WT, REGS>;    \
-    case 2: return (const void*)KERNEL<C, 2, WT, REGS>;    \
-    case 4: return (const void*)KERNEL<C, 4, WT, REGS>;    \
-    default: return (const void*)KERNEL<C, 8, WT, REGS>;   \
+// Shared memory of the fused kernels: two exchange buffers (step parity) of bt rows of `row` floats
+// (forward: h, row = round_up(H, 4); backward: the recurrent gate gradients of every unit, row =
+// round_up(G * H, 4)), the lengths, the mailbox.
+struct FusedSmem {
+  int v, lens, bars, total;
+  __host__ __device__ FusedSmem(const Geometry& g, int row, int bt) {
+    int off = 0;
+    v = off, off += 2 * bt * row * 4;
+    lens = off, off += round_up(g.bs * 4, 16);
+    bars = off, off += 16;
+    total = off;
   }
-#define VLSEQ_RNN_KERNEL_TABLE(NAME, KERNEL)                                         \
-  const void* NAME(Cell c, Weights w, int bt, bool regs) {                           \
-    if (c == Cell::kLSTM) {                                                          \
-      if (w == Weights::kFP32 && regs) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float, true) \
-      if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, float, false)        \
-      VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16, false)                         \
-    }                                                                                \
-    if (w == Weights::kFP32 && regs) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float, true)    \
-    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, float, false)           \
-    VLSEQ_RNN_BT_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16, false)                            \
-  }
+};
+
+// The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
+// (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `fused`: the fused
+// kernel (fp32; fits_fused says when it applies), else the generic one.
+const void* forward_kernel(Cell c, Weights w, int bt, bool fused);
+const void* backward_kernel(Cell c, Weights w, int bt, bool fused);
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -245,20 +258,13 @@ __host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
   return ks;
 }
 
-// Whether products over `rows` rows of W and k4n float4 chunks can hold W in registers (RegTile):
-// one row tile per thread and at most kRegChunks chunks per lane.
-__host__ __device__ inline bool fits_registers(int rows, int k4n) {
-  const int ks = split_lanes(rows, 1, 1, k4n);
-  return ceil_div(rows, kRowTile) * ks <= kThreads && ceil_div(k4n, ks) <= kRegChunks;
-}
-
 #if defined(__CUDACC__)
 
 // Phase timestamps of block 0, thread 0, for benchmarks/probe/step_timing.cu (compiled out otherwise).
 #ifdef VLSEQ_RNN_TIMING
 __device__ long long g_step_clock[2][8][4096];
 #define VLSEQ_MARK(dir, k, s) \
-  if (threadIdx.x == 0 && blockIdx.x == 0 && (s) < 4096) g_step_clock[dir][k][s] = clock64()
+  if (threadIdx.x == 0 && blockIdx.x == 0 && (s) >= 0 && (s) < 4096) g_step_clock[dir][k][s] = clock64()
 #else
 #define VLSEQ_MARK(dir, k, s)
 #endif
@@ -336,27 +342,17 @@ struct GroupBarrier {
   }
 };
 
-// The end of a product tile: the ks lanes that split k combine their sums with a butterfly (a
-// fixed order: the same bits every run), then lane 0 of a real tile stores rows r0.. and samples
-// b0.. that exist. Every lane of the warp must call it (the shuffles).
-template <int BT, typename Store>
-__device__ __forceinline__ void reduce_and_store(float (&acc)[kRowTile][BT], int ks, int q, bool real, int r0,
-                                                 int rows, int b0, int nb, Store& store) {
+// The ks consecutive lanes that split sums over k combine their parts with a butterfly: every lane
+// ends with the same totals (each level adds the same two values, in either order), summed in a
+// fixed order (the same bits every run). Every lane of the warp must call it (the shuffles).
+template <int N>
+__device__ __forceinline__ void lane_sum(float (&v)[N], int ks) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     if (off < ks) {
 #pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-        for (int j = 0; j < BT; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], off);
+      for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
     }
-  }
-  if (q == 0 && real) {
-#pragma unroll
-    for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-      for (int j = 0; j < BT; ++j)
-        if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i][j]);
   }
 }
 
@@ -377,11 +373,9 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
     const int tile_raw = first + static_cast<int>(threadIdx.x) / ks;
     const int tile = min(tile_raw, ntiles - 1);
     const int r0 = (tile % nrt) * kRowTile, b0 = (tile / nrt) * BT;
-    float acc[kRowTile][BT];
+    float acc[kRowTile * BT];  // row i, sample j at i * BT + j
 #pragma unroll
-    for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-      for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
+    for (int i = 0; i < kRowTile * BT; ++i) acc[i] = 0.0f;
     const WT* w0 = W + r0 * ldw;
     const float* v0 = v + b0 * ldv;
 #pragma unroll 2
@@ -394,77 +388,24 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
         const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
 #pragma unroll
         for (int i = 0; i < kRowTile; ++i) {
-          acc[i][j] = fmaf(w[i].x, x.x, acc[i][j]);
-          acc[i][j] = fmaf(w[i].y, x.y, acc[i][j]);
-          acc[i][j] = fmaf(w[i].z, x.z, acc[i][j]);
-          acc[i][j] = fmaf(w[i].w, x.w, acc[i][j]);
+          float& sum = acc[i * BT + j];
+          sum = fmaf(w[i].x, x.x, sum);
+          sum = fmaf(w[i].y, x.y, sum);
+          sum = fmaf(w[i].z, x.z, sum);
+          sum = fmaf(w[i].w, x.w, sum);
         }
       }
     }
-    reduce_and_store<BT>(acc, ks, q, tile_raw < ntiles, r0, rows, b0, nb, store);
+    lane_sum(acc, ks);
+    if (q == 0 && tile_raw < ntiles) {
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i)
+#pragma unroll
+        for (int j = 0; j < BT; ++j)
+          if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i * BT + j]);
+    }
   }
 }
-
-// Products with W held in registers: reading W from shared memory every step is what bounds the
-// products at a few samples per block (64 KB per block and step at hidden 256, ~500 clocks at
-// 128 B/clock); here a step reads only v. Thread tid keeps, for the whole sequence, the chunks of
-// its tile (rows r0, r0+1; chunks q, q + ks, ...) that matvec<1> would read and sums them in the
-// same order (at BT = 1 the same bits as matvec<1>). Samples run BT at a time; a pass costs about
-// 1,000 clocks of latency at hidden 256 whatever BT is (step_timing: one pass of 2 samples 1,018,
-// two passes 2,224), so the host picks BT to cover a block's samples in one pass.
-// Needs fits_registers(rows, k4n).
-struct RegTile {
-  float4 w[kRowTile][kRegChunks];
-  int ks;
-
-  template <typename WT>
-  __device__ __forceinline__ void load(const WT* W, int ldw, int rows, int k4n) {
-    ks = split_lanes(rows, 1, 1, k4n);
-    const int tile = min(static_cast<int>(threadIdx.x) / ks, ceil_div(rows, kRowTile) - 1);
-    const int q = threadIdx.x % ks;
-#pragma unroll
-    for (int c = 0; c < kRegChunks; ++c) {
-      const int k4 = q + c * ks;
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-        w[i][c] = k4 < k4n ? load4(W + (tile * kRowTile + i) * ldw + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
-
-  // store(b, r, sum_k W[r][k] * v[b * ldv + k]) for r < rows, b < nb; v rows up to round_up(nb, BT)
-  // must be readable.
-  template <int BT, typename Store>
-  __device__ __forceinline__ void matvec(int rows, int k4n, const float* v, int ldv, int nb, Store&& store) const {
-    const int nrt = ceil_div(rows, kRowTile);
-    const int tile_raw = static_cast<int>(threadIdx.x) / ks, tile = min(tile_raw, nrt - 1);
-    const int q = threadIdx.x % ks, r0 = tile * kRowTile;
-    for (int b0 = 0; b0 < nb; b0 += BT) {
-      float acc[kRowTile][BT];
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-        for (int j = 0; j < BT; ++j) acc[i][j] = 0.0f;
-      const float* v0 = v + b0 * ldv;
-#pragma unroll
-      for (int c = 0; c < kRegChunks; ++c) {
-        const int k4 = q + c * ks;
-        if (k4 >= k4n) break;
-#pragma unroll
-        for (int j = 0; j < BT; ++j) {
-          const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
-#pragma unroll
-          for (int i = 0; i < kRowTile; ++i) {
-            acc[i][j] = fmaf(w[i][c].x, x.x, acc[i][j]);
-            acc[i][j] = fmaf(w[i][c].y, x.y, acc[i][j]);
-            acc[i][j] = fmaf(w[i][c].z, x.z, acc[i][j]);
-            acc[i][j] = fmaf(w[i][c].w, x.w, acc[i][j]);
-          }
-        }
-      }
-      reduce_and_store<BT>(acc, ks, q, tile_raw < nrt, r0, rows, b0, nb, store);
-    }
-  }
-};
 
 // This thread's (sample, unit) pairs of the block: item i is pair tid + i * kThreads of the
 // row-major bv x hv grid; b = -1 past the end.
@@ -519,7 +460,7 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
 }
 
-template <Cell C, int BT, typename WT, bool kRegs>
+template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -578,8 +519,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = it.b[i] >= 0 && a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
   __syncthreads();
-  RegTile wr;
-  if constexpr (kRegs) wr.load(w_s, ldw, R, Kp / 4);
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
@@ -631,8 +570,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
                    [&](int b, int r, float v) { gates_s[(c0 + b) * R + r] = v; });
         __syncthreads();
       }
-    } else if constexpr (kRegs) {
-      wr.matvec<BT>(R, Kp / 4, h_s + cur * hbuf, Kp, bv, [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     } else {
       matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
                  [&](int b, int r, float v) { gates_s[b * R + r] = v; });
@@ -725,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
 #endif
 }
 
-template <Cell C, int BT, typename WT, bool kRegs>
+template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -766,8 +703,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   }
   const Items it(bv, hv);
   __syncthreads();
-  RegTile wr;
-  if constexpr (kRegs) wr.load(wt_s, ldt, H, Rp / 4);
   int smax = 0;
   for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
@@ -882,10 +817,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       else
         recv_next[at] = v;
     };
-    if constexpr (kRegs)
-      wr.matvec<BT>(H, Rp / 4, dg_s, Rp, bv, deliver);
-    else
-      matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
+    matvec<BT>(wt_s, ldt, H, Rp / 4, dg_s, Rp, bv, ks, deliver);
     VLSEQ_MARK(1, 3, s);
     if (!cluster) bar.arrive();
     VLSEQ_MARK(1, 4, s);

@@ -1,0 +1,416 @@
+// The fused LSTM/GRU kernels: W_hh in registers, and the cell computed by the lanes that sum the
+// recurrent products, so that a step is one dependent chain per thread (wait for the exchange,
+// products, butterfly, cell, send) with no block-wide barrier in a cluster. Same semantics, args
+// and exchange protocol as the generic kernels (rnn_kernels.cuh, which explains the terms); the host
+// (rnn.cu) picks these where fits_fused holds: fp32, a block's samples in one batch tile of BT.
+//
+// Work split
+// ----------
+// Block `rank` owns hidden units [j0, j0 + hv). Unit j of the block has ks = fused_lanes(hs)
+// consecutive lanes (one warp or part of one); lane q of them holds chunks q, q + ks, ... (float4s
+// of the contraction index) of the unit's weights and sums that share of the products for all BT
+// samples of the tile; a butterfly (lane_sum) gives every lane the totals. Lane q then runs the cell
+// of sample jb = q % BT (the ks / BT lanes of a sample hold the same state and compute the same bits)
+// and sends the result to blocks q / BT, q / BT + ks / BT, ... (all nc blocks between them); lane
+// q = jb also writes the sample's outputs.
+//   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
+//             sent to every block (all-gather of h, as in the generic kernel);
+//   backward: products W_hh[:, j]^T g_{t+1} (one column, contraction over all G*H recurrent gate
+//             gradients g of the step after, in the order r' = k * G + gate); the cell gives this
+//             step's G recurrent gate gradients of unit j, sent to every block (an all-gather of g
+//             instead of the generic kernel's reduce-scatter of partial dh: G times the bytes, but
+//             each unit's dh is summed where it is used, and the cell needs no second pass).
+//
+// Why no barrier per step is needed (cluster; a single block has one __syncthreads per step)
+// -------------------------------------------------------------------------------------------
+// The buffers are double-buffered by step parity as in the generic kernels, each filled by the
+// step's sends of every block (itself included) and waited for by every thread that reads it. A
+// block's sends of step s follow, by data dependency through the butterfly, every read of the
+// step's buffer by the lanes of its units; a peer overwrites that buffer only at step s + 1 (the
+// other parity at s) after it has received all of this block's step-s sends, so after those reads.
+// A thread can fall behind only to the wait of the step before: the lanes of a warp with a unit meet
+// in every step's shuffles, and every unit has a sending lane (q = 0, sample 0), so no block gets
+// step s + 1's bytes, nor can the mailbox's phase of step s + 2 complete, before every such warp has
+// passed the wait of step s. Warps with no unit (tiles past hv) would not be held back, and could
+// see the parity of a later phase: in a cluster they leave after the set-up.
+#pragma once
+
+#include "rnn_kernels.cuh"
+
+namespace vlseq::rnn {
+
+#if defined(__CUDACC__)
+
+// v[jb] without indexing registers by a runtime value (which would put v in local memory).
+template <int BT>
+__device__ __forceinline__ float pick(const float* v, int jb) {
+  float r = v[0];
+#pragma unroll
+  for (int b = 1; b < BT; ++b)
+    if (b == jb) r = v[b];
+  return r;
+}
+
+// This thread's place in a fused kernel (the header comment above).
+struct FusedLane {
+  int ks, q, j, jb;
+  bool unit;    // j is one of the block's units: the lane takes part in the products
+  bool mine;    // and sample jb is one of the group's: the lane runs its cell and sends
+  bool writer;  // and the lane writes that (sample, unit)'s outputs
+  bool idle_warp;
+  __device__ __forceinline__ FusedLane(const Geometry& g, const Block& blk, int bt) {
+    ks = fused_lanes(g.hs);
+    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % bt;
+    unit = j < blk.hv, mine = unit && jb < blk.bv, writer = mine && q < bt;
+    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
+  }
+  // Sends n values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer
+  // `buf` of parity `parity` in each of its destination blocks; a single block stores them once.
+  template <int N>
+  __device__ __forceinline__ void send(const Mailbox& mbox, bool cluster, int nc, int bt, float* buf, int at,
+                                       int parity, const float (&v)[N]) const {
+    if (!mine) return;
+    if (!cluster) {
+      if (q < bt)
+#pragma unroll
+        for (int i = 0; i < N; ++i) buf[at + i] = v[i];
+      return;
+    }
+    const uint32_t to = smem_u32(buf + at);
+    for (int d = q / bt; d < nc; d += ks / bt) {
+      if constexpr (N == 4) {
+        mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) mbox.send(d, to + 4 * i, parity, v[i]);
+      }
+    }
+  }
+};
+
+template <Cell C, int BT>
+__global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const ForwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  const Geometry& g = a.g;
+  const int H = g.H, T = g.T, GH = G * H, Kp = round_up(H, 4), k4n = Kp / 4;
+  const Block blk(g);
+  const FusedLane ln(g, blk, BT);
+  const bool cluster = g.sync == Sync::kCluster;
+  const int unit = blk.j0 + ln.j;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const FusedSmem lay(g, Kp, BT);
+  float* h_s = reinterpret_cast<float*>(smem + lay.v);  // [parity][BT][Kp]: h_{t-1} of the group's samples
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
+  const int hbuf = BT * Kp;
+
+  load_lengths(lens, a.lengths, g, blk);
+  // Buffer 0 = h0; the rest zero (rows past bv and columns past H stay so: nobody sends there).
+  for (int e = threadIdx.x; e < 2 * hbuf; e += kThreads) {
+    const int b = e % hbuf / Kp, k = e % Kp;
+    h_s[e] = e < hbuf && b < blk.bv && k < H ? a.h0[static_cast<int64_t>(blk.b0 + b) * H + k] : 0.0f;
+  }
+  // Rows q * H + unit of W_hh (gate q), chunks ln.q + m * ks of k, zero past H.
+  float4 w[G][kFusedChunks];
+#pragma unroll
+  for (int m = 0; m < kFusedChunks; ++m) {
+    const int k0 = 4 * (ln.q + m * ln.ks);
+#pragma unroll
+    for (int q = 0; q < G; ++q) {
+      float e[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        e[i] = ln.unit && k0 + i < H ? __ldg(a.w_hh + static_cast<int64_t>(q * H + unit) * H + k0 + i) : 0.0f;
+      w[q][m] = make_float4(e[0], e[1], e[2], e[3]);
+    }
+  }
+  // The state of this lane's (sample, unit) and its bias.
+  const int64_t sample = blk.b0 + ln.jb;
+  float h = 0.0f, c = 0.0f, bias[G];
+#pragma unroll
+  for (int q = 0; q < G; ++q) bias[q] = ln.mine && a.b_hh ? a.b_hh[q * H + unit] : 0.0f;
+  if (ln.mine) {
+    h = a.h0[sample * H + unit];
+    if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
+  }
+  __syncthreads();
+  const int len = ln.mine ? lens[ln.jb] : 0;
+  int smax = 0;
+  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
+  GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
+  bar.arrive();
+  bar.wait();
+  if (cluster && ln.idle_warp) return;
+
+  // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
+  const float* xrow = a.xproj + (sample * T) * GH + unit;
+  float xnext[G];
+  auto prefetch = [&](int s) {
+    if (!ln.mine || s >= len) return;
+    const int64_t t = g.reverse ? len - 1 - s : s;
+#pragma unroll
+    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + t * GH + q * H);
+  };
+  prefetch(0);
+  for (int s = 0; s < smax; ++s) {
+    const int cur = s & 1;
+    if (cluster) mbox.expect(cur ^ 1, static_cast<uint32_t>(blk.bv * H * 4));
+    float x[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q) x[q] = xnext[q];
+    VLSEQ_MARK(0, 0, s);
+    // acc[q * BT + b] = W_hh row (gate q, this unit) . h_{t-1} of sample b.
+    float acc[G * BT];
+#pragma unroll
+    for (int i = 0; i < G * BT; ++i) acc[i] = 0.0f;
+    if (ln.unit) {
+      const float* v = h_s + cur * hbuf;
+#pragma unroll
+      for (int m = 0; m < kFusedChunks; ++m) {
+        const int k4 = ln.q + m * ln.ks;
+        if (k4 >= k4n) break;
+#pragma unroll
+        for (int b = 0; b < BT; ++b) {
+          const float4 hv = *reinterpret_cast<const float4*>(v + b * Kp + 4 * k4);
+#pragma unroll
+          for (int q = 0; q < G; ++q) {
+            float& sum = acc[q * BT + b];
+            sum = fmaf(w[q][m].x, hv.x, sum);
+            sum = fmaf(w[q][m].y, hv.y, sum);
+            sum = fmaf(w[q][m].z, hv.z, sum);
+            sum = fmaf(w[q][m].w, hv.w, sum);
+          }
+        }
+      }
+    }
+    lane_sum(acc, ln.ks);
+    VLSEQ_MARK(0, 1, s);
+    const bool live = ln.mine && s < len;
+    float out[5];
+    if (live) {
+      float gh[G];
+#pragma unroll
+      for (int q = 0; q < G; ++q) gh[q] = pick<BT>(acc + q * BT, ln.jb) + bias[q];
+      if constexpr (C == Cell::kLSTM) {
+        const float ig = sigmoid(x[0] + gh[0]), fg = sigmoid(x[1] + gh[1]);
+        const float gg = tanhf(x[2] + gh[2]), og = sigmoid(x[3] + gh[3]);
+        c = fg * c + ig * gg;
+        h = og * tanhf(c);
+        out[0] = ig, out[1] = fg, out[2] = gg, out[3] = og;
+      } else {
+        const float r = sigmoid(x[0] + gh[0]), z = sigmoid(x[1] + gh[1]);
+        const float n = tanhf(x[2] + r * gh[2]);
+        h = (1.0f - z) * n + z * h;
+        out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
+      }
+    }
+    // Frozen samples publish their unchanged h too.
+    ln.send<1>(mbox, cluster, g.nc, BT, h_s + (cur ^ 1) * hbuf, ln.jb * Kp + unit, cur ^ 1, {h});
+    VLSEQ_MARK(0, 2, s);
+    if (ln.writer && live) {
+      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
+      float* sv = a.saved + row * 4 * H + unit;
+      a.y[row * H + unit] = h;
+      sv[0] = out[0], sv[H] = out[1], sv[2 * H] = out[2], sv[3 * H] = out[3];
+      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
+    }
+    prefetch(s + 1);
+    VLSEQ_MARK(0, 3, s);
+    if (cluster)
+      mbox.wait(cur ^ 1, (s >> 1) & 1);
+    else
+      bar.wait();
+  }
+  if (ln.writer) {
+    a.h_n[sample * H + unit] = h;
+    if constexpr (C == Cell::kLSTM) a.c_n[sample * H + unit] = c;
+  }
+#endif
+}
+
+template <Cell C, int BT>
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const BackwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  constexpr int F = backward_fields(C);
+  constexpr int NW = G * kFusedChunks;
+  const Geometry& g = a.g;
+  const int H = g.H, T = g.T, GH = G * H, Kb = round_up(GH, 4), k4n = Kb / 4;
+  const Block blk(g);
+  const FusedLane ln(g, blk, BT);
+  const bool cluster = g.sync == Sync::kCluster;
+  const int unit = blk.j0 + ln.j;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const FusedSmem lay(g, Kb, BT);
+  // [parity][BT][Kb]: the recurrent gate gradients of every unit of a step, at k * G + gate.
+  float* g_s = reinterpret_cast<float*>(smem + lay.v);
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
+  const int gbuf = BT * Kb;
+
+  load_lengths(lens, a.lengths, g, blk);
+  for (int e = threadIdx.x; e < 2 * gbuf; e += kThreads) g_s[e] = 0.0f;
+  // Column `unit` of W_hh, rows in the order r' = k * G + gate, chunks ln.q + m * ks of r', zero past G*H.
+  float4 w[NW];
+#pragma unroll
+  for (int m = 0; m < NW; ++m) {
+    const int r0 = 4 * (ln.q + m * ln.ks);
+    float e[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + i, k = r / G, q = r - k * G;
+      e[i] = ln.unit && r < GH ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
+    }
+    w[m] = make_float4(e[0], e[1], e[2], e[3]);
+  }
+  const int64_t sample = blk.b0 + ln.jb;
+  // dh and dc that enter the last step; ddir: the GRU's direct path z * dh into the step before.
+  float dh_last = 0.0f, dc = 0.0f, ddir = 0.0f;
+  if (ln.mine) {
+    dh_last = a.dh_n ? a.dh_n[sample * H + unit] : 0.0f;
+    if constexpr (C == Cell::kLSTM) dc = a.dc_n ? a.dc_n[sample * H + unit] : 0.0f;
+  }
+  __syncthreads();
+  const int len = ln.mine ? lens[ln.jb] : 0;
+  int smax = 0;
+  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
+  GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
+  bar.arrive();
+  bar.wait();
+  if (cluster && ln.idle_warp) return;
+
+  // What step s reads, loaded a step ahead: LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z, n,
+  // W_hn h + b_hn, h_{t-1}, dy.
+  float pnext[F];
+  auto prefetch = [&](int s) {
+    if (!ln.mine || s < 0 || s >= len) return;
+    const int64_t first = sample * T, at = first + (g.reverse ? len - 1 - s : s);
+    const int64_t prev = first + (g.reverse ? len - s : s - 1);
+#pragma unroll
+    for (int f = 0; f < 4; ++f) pnext[f] = __ldg(a.saved + at * 4 * H + f * H + unit);
+    if constexpr (C == Cell::kLSTM) {
+      pnext[4] = __ldg(a.cs + at * H + unit);
+      pnext[5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + sample * H + unit);
+    } else {
+      pnext[4] = s > 0 ? __ldg(a.y + prev * H + unit) : __ldg(a.h0 + sample * H + unit);
+    }
+    pnext[F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
+  };
+  prefetch(smax - 1);
+  // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
+  for (int s = smax - 1;; --s) {
+    const int cur = s & 1;  // the buffer this step fills (s = -1: 1, unused)
+    if (cluster && s >= 0) mbox.expect(cur, static_cast<uint32_t>(blk.bv * GH * 4));
+    float p[F];
+#pragma unroll
+    for (int f = 0; f < F; ++f) p[f] = pnext[f];
+    VLSEQ_MARK(1, 0, s);
+    // dh_t of this unit from the gate gradients of step s + 1 (zeros before the first step): four
+    // interleaved partial sums per sample (a quarter of the dependent chain), added in a fixed order.
+    float acc[4 * BT];
+#pragma unroll
+    for (int i = 0; i < 4 * BT; ++i) acc[i] = 0.0f;
+    if (ln.unit) {
+      const float* v = g_s + (cur ^ 1) * gbuf;
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        const int k4 = ln.q + m * ln.ks;
+        if (k4 >= k4n) break;
+#pragma unroll
+        for (int b = 0; b < BT; ++b) {
+          const float4 gv = *reinterpret_cast<const float4*>(v + b * Kb + 4 * k4);
+          acc[b] = fmaf(w[m].x, gv.x, acc[b]);
+          acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
+          acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
+          acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
+        }
+      }
+    }
+    float dot[BT];
+#pragma unroll
+    for (int b = 0; b < BT; ++b) dot[b] = (acc[b] + acc[BT + b]) + (acc[2 * BT + b] + acc[3 * BT + b]);
+    lane_sum(dot, ln.ks);
+    VLSEQ_MARK(1, 1, s);
+    // dh_t: from the step after when this sample ran it, else what entered the sequence's end.
+    const float dh = s + 1 < len ? pick<BT>(dot, ln.jb) + ddir : dh_last;
+    if (s < 0) {
+      if (ln.writer) {
+        a.dh0[sample * H + unit] = dh;
+        if constexpr (C == Cell::kLSTM) a.dc0[sample * H + unit] = dc;
+      }
+      break;
+    }
+    const bool live = ln.mine && s < len;
+    float rg[G];  // this step's recurrent gate gradients (zero where the sample has not started)
+    float dn = 0.0f;
+#pragma unroll
+    for (int q = 0; q < G; ++q) rg[q] = 0.0f;
+    if (live) {
+      const float dht = dh + p[F - 1];
+      if constexpr (C == Cell::kLSTM) {
+        const float ig = p[0], fg = p[1], gg = p[2], og = p[3], ct = p[4], cp = p[5];
+        const float tc = tanhf(ct);
+        const float dct = dc + dht * og * (1.0f - tc * tc);
+        rg[0] = dct * gg * ig * (1.0f - ig);
+        rg[1] = dct * cp * fg * (1.0f - fg);
+        rg[2] = dct * ig * (1.0f - gg * gg);
+        rg[3] = dht * tc * og * (1.0f - og);
+        dc = dct * fg;
+      } else {
+        const float r = p[0], z = p[1], n = p[2], ghn = p[3], hp = p[4];
+        dn = dht * (1.0f - z) * (1.0f - n * n);
+        rg[0] = dn * ghn * r * (1.0f - r);
+        rg[1] = dht * (hp - n) * z * (1.0f - z);
+        rg[2] = dn * r;
+        ddir = dht * z;
+      }
+    }
+    ln.send<G>(mbox, cluster, g.nc, BT, g_s + cur * gbuf, ln.jb * Kb + unit * G, cur, rg);
+    VLSEQ_MARK(1, 2, s);
+    if (ln.writer && live) {
+      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
+      float* dg = a.dgates + row * GH + unit;
+      if constexpr (C == Cell::kLSTM) {
+#pragma unroll
+        for (int q = 0; q < G; ++q) dg[q * H] = rg[q];
+      } else {  // the input side's n gradient is dn; the recurrent one, r * dn, goes to dgates_hn
+        dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
+        a.dgates_hn[row * H + unit] = rg[2];
+      }
+    }
+    prefetch(s - 1);
+    VLSEQ_MARK(1, 3, s);
+    if (cluster)
+      mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
+    else
+      bar.wait();
+  }
+#endif
+}
+
+// The kernel tables (rnn_kernels.cuh declares them): the fused kernels for fp32 where asked, the
+// generic ones otherwise.
+#define VLSEQ_RNN_BT_SWITCH(KERNEL, ...)                  \
+  switch (bt) {                                           \
+    case 1: return (const void*)KERNEL<__VA_ARGS__, 1>;   \
+    case 2: return (const void*)KERNEL<__VA_ARGS__, 2>;   \
+    case 4: return (const void*)KERNEL<__VA_ARGS__, 4>;   \
+    default: return (const void*)KERNEL<__VA_ARGS__, 8>;  \
+  }
+#define VLSEQ_RNN_KERNEL_TABLE(NAME, GENERIC, FUSED)                                  \
+  const void* NAME(Cell c, Weights w, int bt, bool fused) {                           \
+    const bool lstm = c == Cell::kLSTM;                                               \
+    if (fused && lstm) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM)                        \
+    if (fused) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kGRU)                                 \
+    if (w == Weights::kFP32 && lstm) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kLSTM, float) \
+    if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kGRU, float)          \
+    if (lstm) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kLSTM, __nv_bfloat16)                \
+    VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kGRU, __nv_bfloat16)                           \
+  }
+
+#endif  // __CUDACC__
+
+}  // namespace vlseq::rnn
