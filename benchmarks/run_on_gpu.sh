@@ -11,6 +11,9 @@
 #   bash benchmarks/run_on_gpu.sh tsc      # estimator tests + vlseq-bench --suite tsc on the GPU, with aeon's
 #                                          # 1-NN DTW and RDST (aeon from the wheels in .whl/ when missing)
 #   bash benchmarks/run_on_gpu.sh tsc-cpu  # the same suite's CPU runs of SeqClassifier (5 seeds x 2 sets)
+#   bash benchmarks/run_on_gpu.sh probe    # step timings of the recurrent kernels (benchmarks/probe/step_timing.cu)
+#                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16]", ';'-separated;
+#                                          # built into $PROBE_BIN unless that exists)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -65,6 +68,18 @@ if runs rnn; then
   timeout ${RNN_BENCH_TIMEOUT:-420} $PY -m vlseq_ext.bench --suite rnn ${RNN_ARGS:-} --out "$OUT/rnn" \
     > "$OUT/rnn-bench.log" 2>&1 || rc=1
   tail -40 "$OUT/rnn-bench.log"
+fi
+if runs probe; then
+  bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
+  if [ ! -x "$bin" ]; then
+    ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
+    pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+    ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include -Icsrc/cuda $ti \
+      -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
+  fi
+  echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1}" | tr ';' '\n' |
+    while read -r args; do timeout 30 "$bin" $args; done > "$OUT/step-timing.log" 2>&1 || rc=1
+  cat "$OUT/step-timing.log"
 fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
