@@ -35,7 +35,9 @@ struct LayerPlan {
   std::string why_not;  // when !ok: why the kernels cannot hold this layer
   int sync = 0;         // Sync: 0 local, 1 cluster, 2 grid
   int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
-  bool fused = false;  // the fused kernels (rnn_fused_kernels.cuh): W_hh in registers, the cell in the product lanes
+  // Each direction's kernel: fused (rnn_fused_kernels.cuh: W_hh in registers, the cell in the product
+  // lanes) or generic.
+  bool fused_forward = false, fused_backward = false;
   int64_t smem_forward = 0, smem_backward = 0;
   std::string describe() const;
 };

@@ -69,32 +69,41 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
   return per_sm * p.multiProcessorCount / nc;
 }
 
-// Clocks of one step, fitted to the step timings of benchmarks/probe/step_timing.cu on an H200
-// (LSTM, hidden 256; BENCHMARKS.md, sixth and seventh sessions):
-//   products  generic kernels, W from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per
-//             FMA-clock of the block (its FMAs over 128 lanes, samples padded to the batch tile) and
-//             per 128 B of W read for each batch tile (one sample, cluster of 16: 1,348-1,628
-//             measured; 4 samples: 2,588; 3 samples, cluster of 8: 4,853); fused kernels: the chain
-//             of products, butterfly and cell (one thread's work) plus the FMA-clocks;
-//   cell      generic kernels only: the cell, the output stores and the next step's loads, ~1,100;
-//   exchange  cluster: ~850 plus the floats each block sends (forward bs * hs to each of nc blocks;
-//             the fused backward G times that, the generic one as many), half of each per step;
-//             grid: every block reads every sample's h and writes/reads partials (L2 bytes at
-//             ~2.9 KB/clock) and a global barrier.
-// More groups with fewer samples each win while they fit on the GPU at once.
-double step_clocks(Sync sync, int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, bool fused) {
+// Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
+// timings of benchmarks/probe/step_timing.cu on an H200 (hidden 256; BENCHMARKS.md, sixth and
+// seventh sessions). FMA-clocks: the block's FMAs over 128 lanes.
+//   generic   products from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per
+//             FMA-clock (samples padded to the batch tile) and per 128 B of W read for each batch
+//             tile; the cell, output stores and next step's loads ~1,100; the exchange ~850 plus the
+//             floats each block sends (forward: bs * hs to each of nc blocks); the backward's
+//             delivery of H * bs partial sums by single-float stores, ~1.8 clocks each past the first
+//             sample's;
+//   fused     the chain of one thread (products, butterfly, cell, sends) plus the FMA-clocks of the
+//             real samples; the backward also reads every sample's G * H gate gradients in each of
+//             the 8 warps (shared memory, 128 B/clock) and sends G * hs * bs floats to each block.
+double direction_clocks(bool backward, bool fused, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
+                        int wbytes) {
   const double R = G * hs, K = round_up(H, 4);
-  const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  double products = fused ? 1000.0 + fma : 100.0 + 2.4 * (wread + fma);
-  const double cell = fused ? 0.0 : 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
-  double exchange = 300.0 + 150.0 * bs;
-  if (sync == Sync::kCluster) exchange = 850.0 + 0.12 * bs * hs * nc * (fused ? 1.0 + G : 2.0) / 2.0;
-  if (sync == Sync::kGrid) {
-    products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;  // not refitted
-    const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
-    exchange = 2500.0 + bytes / 2900.0;
+  const double exchange = sync == Sync::kCluster ? 850.0 + 0.12 * bs * hs * nc : 300.0 + 150.0 * bs;
+  if (fused) {
+    const double fma = R * K * bs / 128.0;
+    if (!backward) return 1000.0 + fma + exchange;
+    const double reads = kWarps * bs * round_up(G * H, 4) * 4.0 / 128.0;
+    const double sends = sync == Sync::kCluster ? 0.5 * G * hs * bs * nc / 4.0 : 0.0;
+    return 1000.0 + fma + reads + sends + exchange;
   }
-  return products + cell + exchange;
+  const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
+  const double products = 100.0 + 2.4 * (wread + fma), cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
+  return products + cell + exchange + (backward ? 1.8 * H * (bs - 1) : 0.0);
+}
+
+// Clocks of one step of a grid layout (not refitted since the fourth session): every block reads every
+// sample's h and writes/reads partials (L2 bytes at ~2.9 KB/clock) and a global barrier.
+double grid_clocks(int G, int hs, int H, int bs, int nc, int groups, int wbytes) {
+  const double R = G * hs, K = round_up(H, 4);
+  const double products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
+  const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
+  return products + 2500.0 + bytes / 2900.0;
 }
 
 struct Cost {
@@ -118,28 +127,33 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
     last_groups = groups;
     if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
     const int bt = batch_tile(bs);
-    const bool fused = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt);
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
-    const int64_t fwd = fused ? FusedSmem(g, round_up(H, 4), bt).total : ForwardSmem(g, G, wbytes, bt).total;
-    const int64_t bwd = fused ? FusedSmem(g, round_up(G * H, 4), bt).total : BackwardSmem(g, G, wbytes, bt, F).total;
-    if (std::max(fwd, bwd) > static_cast<int64_t>(p.sharedMemPerBlockOptin)) {
-      if (fused) continue;
-      break;  // the generic kernels' shared memory only grows with bs
-    }
-    const void* fk = forward_kernel(cell, w, bt, fused);
-    const void* bk = backward_kernel(cell, w, bt, fused);
-    prepare(fk, device, p.sharedMemPerBlockOptin);
-    prepare(bk, device, p.sharedMemPerBlockOptin);
-    const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
-                                   sms / nc});
-    // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
-    const bool within = sms == p.multiProcessorCount || groups <= resident;
-    if (resident > 0 && within) {
-      const double clocks = ceil_div(groups, resident) *
-                            step_clocks(sync, G, hs, H, bs, bt, nc, std::min(groups, resident), wbytes, fused);
+    const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
+    // Each direction on the fused kernel where it fits, or the generic one (they share only global
+    // tensors): the pair with the fewest clocks.
+    const bool can_fuse = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt);
+    const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
+    if (!can_fuse && std::max(generic_fwd, generic_bwd) > optin) break;  // generic shared memory only grows with bs
+    for (int pair = 0; pair < 4; ++pair) {
+      const bool ff = pair & 1, fb = pair & 2;
+      if ((ff || fb) && !can_fuse) continue;
+      const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
+      const int64_t bwd = fb ? FusedSmem(g, round_up(G * H, 4), bt).total : generic_bwd;
+      if (std::max(fwd, bwd) > optin) continue;
+      const void* fk = forward_kernel(cell, w, bt, ff);
+      const void* bk = backward_kernel(cell, w, bt, fb);
+      prepare(fk, device, p.sharedMemPerBlockOptin);
+      prepare(bk, device, p.sharedMemPerBlockOptin);
+      const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
+                                     sms / nc});
+      // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
+      const bool within = sms == p.multiProcessorCount || groups <= resident;
+      if (resident <= 0 || !within) continue;
+      const double clocks = ceil_div(groups, resident) * (direction_clocks(false, ff, sync, G, hs, H, bs, bt, nc, wbytes) +
+                                                          direction_clocks(true, fb, sync, G, hs, H, bs, bt, nc, wbytes));
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, fused, fwd, bwd};
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, fwd, bwd};
         found = true;
       }
     }
@@ -174,10 +188,10 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks = step_clocks(Sync::kGrid, G, hs, H, bs, bt, nc, groups, wbytes, false);
+    const double clocks = grid_clocks(G, hs, H, bs, nc, groups, wbytes);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, fwd, bwd};
+      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, fwd, bwd};
       found = true;
     }
   }
@@ -223,7 +237,10 @@ std::string LayerPlan::describe() const {
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
          (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") +
-         (fused ? ", fused cell, W_hh in registers" : "") +
+         (fused_forward || fused_backward
+              ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
+                    (fused_forward && fused_backward ? " and " : "") + (fused_backward ? "backward" : "") + ")"
+              : "") +
          ", shared memory " +
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
 }
@@ -304,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
-  launch(forward_kernel(z.cell, z.weights, bt, plan.fused), a, plan, plan.smem_forward,
+  launch(forward_kernel(z.cell, z.weights, bt, plan.fused_forward), a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
@@ -344,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.fused), a, plan, plan.smem_backward,
+  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward), a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }

@@ -9,8 +9,9 @@
 // Block `rank` owns hidden units [j0, j0 + hv). Unit j of the block has ks = fused_lanes(hs)
 // consecutive lanes (one warp or part of one); lane q of them holds chunks q, q + ks, ... (float4s
 // of the contraction index) of the unit's weights and sums that share of the products for all BT
-// samples of the tile; a butterfly (lane_sum) gives every lane the totals. Lane q then runs the cell
-// of sample jb = q % BT (the ks / BT lanes of a sample hold the same state and compute the same bits)
+// samples of the tile (padding samples skipped); a butterfly (sample_sums) gives each lane the totals
+// of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a sample hold the
+// same state and compute the same bits)
 // and sends the result to blocks q / BT, q / BT + ks / BT, ... (all nc blocks between them); lane
 // q = jb also writes the sample's outputs.
 //   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
@@ -41,14 +42,37 @@ namespace vlseq::rnn {
 
 #if defined(__CUDACC__)
 
-// v[jb] without indexing registers by a runtime value (which would put v in local memory).
-template <int BT>
-__device__ __forceinline__ float pick(const float* v, int jb) {
-  float r = v[0];
+// Sums over the ks lanes of a unit that leave lane q the totals of its own sample q % BT: v holds N
+// values of each of the M samples a lane still holds (v[i * M + b]); out[i] gets value i's total.
+// The levels below BT halve the samples a lane holds (it keeps those whose bit matches its own lane
+// bit and adds the partner's share of them: N * BT / 2 + N * BT / 4 + ... shuffles where a full
+// butterfly takes N * BT per level); the levels from BT up sum the N values left. A fixed order: the
+// same bits every run, and in every lane of a sample (the last levels add the same two values).
+template <int N, int M>
+__device__ __forceinline__ void sample_sums(const float (&v)[N * M], float (&out)[N], int ks, int q, int off = 1) {
+  if constexpr (M == 1) {
 #pragma unroll
-  for (int b = 1; b < BT; ++b)
-    if (b == jb) r = v[b];
-  return r;
+    for (int i = 0; i < N; ++i) out[i] = v[i];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      if (o >= off && o < ks) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) out[i] += __shfl_xor_sync(0xffffffffu, out[i], o);
+      }
+    }
+  } else {
+    const bool upper = (q & off) != 0;
+    float kept[N * (M / 2)];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int b = 0; b < M / 2; ++b) {
+        const float lo = v[i * M + 2 * b], hi = v[i * M + 2 * b + 1];
+        kept[i * (M / 2) + b] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, off);
+      }
+    }
+    sample_sums<N, M / 2>(kept, out, ks, q, off << 1);
+  }
 }
 
 // This thread's place in a fused kernel (the header comment above).
@@ -173,6 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         if (k4 >= k4n) break;
 #pragma unroll
         for (int b = 0; b < BT; ++b) {
+          if (b >= blk.bv) break;
           const float4 hv = *reinterpret_cast<const float4*>(v + b * Kp + 4 * k4);
 #pragma unroll
           for (int q = 0; q < G; ++q) {
@@ -185,14 +210,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         }
       }
     }
-    lane_sum(acc, ln.ks);
+    float gh[G];
+    sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
     VLSEQ_MARK(0, 1, s);
     const bool live = ln.mine && s < len;
     float out[5];
     if (live) {
-      float gh[G];
 #pragma unroll
-      for (int q = 0; q < G; ++q) gh[q] = pick<BT>(acc + q * BT, ln.jb) + bias[q];
+      for (int q = 0; q < G; ++q) gh[q] += bias[q];
       if constexpr (C == Cell::kLSTM) {
         const float ig = sigmoid(x[0] + gh[0]), fg = sigmoid(x[1] + gh[1]);
         const float gg = tanhf(x[2] + gh[2]), og = sigmoid(x[3] + gh[3]);
@@ -321,6 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         if (k4 >= k4n) break;
 #pragma unroll
         for (int b = 0; b < BT; ++b) {
+          if (b >= blk.bv) break;
           const float4 gv = *reinterpret_cast<const float4*>(v + b * Kb + 4 * k4);
           acc[b] = fmaf(w[m].x, gv.x, acc[b]);
           acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
@@ -329,13 +355,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         }
       }
     }
-    float dot[BT];
+    float dot[BT], sum[1];
 #pragma unroll
     for (int b = 0; b < BT; ++b) dot[b] = (acc[b] + acc[BT + b]) + (acc[2 * BT + b] + acc[3 * BT + b]);
-    lane_sum(dot, ln.ks);
+    sample_sums<1, BT>(dot, sum, ln.ks, ln.q);
     VLSEQ_MARK(1, 1, s);
     // dh_t: from the step after when this sample ran it, else what entered the sequence's end.
-    const float dh = s + 1 < len ? pick<BT>(dot, ln.jb) + ddir : dh_last;
+    const float dh = s + 1 < len ? sum[0] + ddir : dh_last;
     if (s < 0) {
       if (ln.writer) {
         a.dh0[sample * H + unit] = dh;
