@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
   static const char* fused_names[] = {"products", "cell+send", "stores+prefetch", "wait"};
-  const int Kp = (H + 3) / 4 * 4, Kb = (G * H + 3) / 4 * 4;
+  const int Kp = (H + 3) / 4 * 4, Kb = 4 * H;
   const bool fused = !bf16 && fits_fused(G, H, hs, B, bt);
   for (bool f : {false, true}) {
     if (f && !fused) continue;

@@ -70,31 +70,35 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 }
 
 // Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
-// timings of benchmarks/probe/step_timing.cu on an H200 (hidden 256; BENCHMARKS.md, sixth and
-// seventh sessions). FMA-clocks: the block's FMAs over 128 lanes.
-//   generic   products from shared memory, latency-bound at 8 warps per SM: ~2.4 clocks per
-//             FMA-clock (samples padded to the batch tile) and per 128 B of W read for each batch
-//             tile; the cell, output stores and next step's loads ~1,100; the exchange ~850 plus the
-//             floats each block sends (forward: bs * hs to each of nc blocks); the backward's
-//             delivery of H * bs partial sums by single-float stores, ~1.8 clocks each past the first
-//             sample's;
-//   fused     the chain of one thread (products, butterfly, cell, sends) plus the FMA-clocks of the
-//             real samples; the backward also reads every sample's G * H gate gradients in each of
-//             the 8 warps (shared memory, 128 B/clock) and sends G * hs * bs floats to each block.
+// timings of benchmarks/probe/step_timing.cu on an H200 (hidden 64-256, LSTM and GRU, 1-16 blocks,
+// 1-8 samples per block; BENCHMARKS.md, seventh session), within about 20%.
+//   generic   products from shared memory: ~850 + 0.58 per 128 B of W read per batch tile + 3.2 per
+//             FMA-clock (the block's FMAs over 128 lanes, samples padded to the tile, counted as an
+//             LSTM's: the GRU's three gates take as long as four); the cell, output stores and next
+//             step's loads ~1,100; the exchange ~850 plus the floats each block sends (bs * hs to
+//             each of nc blocks); the backward's delivery of H * bs partial sums by single-float
+//             stores, ~2.2 clocks each past the first sample's;
+//   fused     forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h and the
+//             block's single-float sends (~1 clock each) and ~150 of cell; backward ~1,400 plus, per
+//             sample, twice its FMA-clocks, each warp's reads of the 4 * H gate gradients and the
+//             block's float4 sends (single blocks: another ~500); a cluster's wait for its peers,
+//             ~300 more per step than a single block's __syncthreads (measured 450-550 against
+//             210-270).
 double direction_clocks(bool backward, bool fused, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
                         int wbytes) {
+  const bool cluster = sync == Sync::kCluster;
   const double R = G * hs, K = round_up(H, 4);
-  const double exchange = sync == Sync::kCluster ? 850.0 + 0.12 * bs * hs * nc : 300.0 + 150.0 * bs;
   if (fused) {
-    const double fma = R * K * bs / 128.0;
-    if (!backward) return 1000.0 + fma + exchange;
-    const double reads = kWarps * bs * round_up(G * H, 4) * 4.0 / 128.0;
-    const double sends = sync == Sync::kCluster ? 0.5 * G * hs * bs * nc / 4.0 : 0.0;
-    return 1000.0 + fma + reads + sends + exchange;
+    const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
+    if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
+    const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0 + sends;
+    return 1400.0 + wait + bs * (2.0 * per_sample + (cluster ? 0.0 : 500.0));
   }
-  const double fma = R * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  const double products = 100.0 + 2.4 * (wread + fma), cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
-  return products + cell + exchange + (backward ? 1.8 * H * (bs - 1) : 0.0);
+  const double fma = 4.0 * hs * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
+  const double products = 850.0 + 0.58 * wread + 3.16 * fma, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
+  const double exchange = cluster ? 850.0 + 0.12 * bs * hs * nc : 300.0 + 150.0 * bs;
+  const double forward = products + cell + exchange;
+  return backward ? forward + 400.0 + 2.2 * H * (bs - 1) : forward;
 }
 
 // Clocks of one step of a grid layout (not refitted since the fourth session): every block reads every
@@ -138,7 +142,7 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
       const bool ff = pair & 1, fb = pair & 2;
       if ((ff || fb) && !can_fuse) continue;
       const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
-      const int64_t bwd = fb ? FusedSmem(g, round_up(G * H, 4), bt).total : generic_bwd;
+      const int64_t bwd = fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
       if (std::max(fwd, bwd) > optin) continue;
       const void* fk = forward_kernel(cell, w, bt, ff);
       const void* bk = backward_kernel(cell, w, bt, fb);

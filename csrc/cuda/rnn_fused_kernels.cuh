@@ -17,10 +17,11 @@
 //   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
 //             sent to every block (all-gather of h, as in the generic kernel);
 //   backward: products W_hh[:, j]^T g_{t+1} (one column, contraction over all G*H recurrent gate
-//             gradients g of the step after, in the order r' = k * G + gate); the cell gives this
-//             step's G recurrent gate gradients of unit j, sent to every block (an all-gather of g
-//             instead of the generic kernel's reduce-scatter of partial dh: G times the bytes, but
-//             each unit's dh is summed where it is used, and the cell needs no second pass).
+//             gradients g of the step after, four per unit: r' = k * 4 + gate, the GRU's fourth
+//             zero); the cell gives this step's recurrent gate gradients of unit j, sent as one
+//             float4 to every block (an all-gather of g instead of the generic kernel's
+//             reduce-scatter of partial dh: each unit's dh is summed where it is used, and the cell
+//             needs no second pass; a send costs about a clock whatever its width, hence the float4).
 //
 // Why no barrier per step is needed (cluster; a single block has one __syncthreads per step)
 // -------------------------------------------------------------------------------------------
@@ -75,6 +76,13 @@ __device__ __forceinline__ void sample_sums(const float (&v)[N * M], float (&out
   }
 }
 
+// Float4 chunk k4 of a shared-memory row, zero past its k4n chunks: a predicated load, with no branch
+// that would keep the loads of a group of chunks from issuing together (a branch per chunk measured
+// ~60-90 clocks per chunk).
+__device__ __forceinline__ float4 chunk(const float* row, int k4, int k4n) {
+  return k4 < k4n ? *reinterpret_cast<const float4*>(row + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 // This thread's place in a fused kernel (the header comment above).
 struct FusedLane {
   int ks, q, j, jb;
@@ -90,7 +98,7 @@ struct FusedLane {
   }
   // Sends n values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer
   // `buf` of parity `parity` in each of its destination blocks; a single block stores them once.
-  template <int N>
+  template <int N>  // 1 or 4
   __device__ __forceinline__ void send(const Mailbox& mbox, bool cluster, int nc, int bt, float* buf, int at,
                                        int parity, const float (&v)[N]) const {
     if (!mine) return;
@@ -102,12 +110,10 @@ struct FusedLane {
     }
     const uint32_t to = smem_u32(buf + at);
     for (int d = q / bt; d < nc; d += ks / bt) {
-      if constexpr (N == 4) {
+      if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
-      } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) mbox.send(d, to + 4 * i, parity, v[i]);
-      }
+      else
+        mbox.send(d, to, parity, v[0]);
     }
   }
 };
@@ -192,13 +198,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if (ln.unit) {
       const float* v = h_s + cur * hbuf;
 #pragma unroll
-      for (int m = 0; m < kFusedChunks; ++m) {
-        const int k4 = ln.q + m * ln.ks;
-        if (k4 >= k4n) break;
+      for (int b = 0; b < BT; ++b) {
+        if (b >= blk.bv) break;
 #pragma unroll
-        for (int b = 0; b < BT; ++b) {
-          if (b >= blk.bv) break;
-          const float4 hv = *reinterpret_cast<const float4*>(v + b * Kp + 4 * k4);
+        for (int m = 0; m < kFusedChunks; ++m) {
+          const float4 hv = chunk(v + b * Kp, ln.q + m * ln.ks, k4n);
 #pragma unroll
           for (int q = 0; q < G; ++q) {
             float& sum = acc[q * BT + b];
@@ -260,9 +264,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int F = backward_fields(C);
-  constexpr int NW = G * kFusedChunks;
+  constexpr int NW = 4 * kFusedChunks;
   const Geometry& g = a.g;
-  const int H = g.H, T = g.T, GH = G * H, Kb = round_up(GH, 4), k4n = Kb / 4;
+  const int H = g.H, T = g.T, GH = G * H, Kb = 4 * H, k4n = H;
   const Block blk(g);
   const FusedLane ln(g, blk, BT);
   const bool cluster = g.sync == Sync::kCluster;
@@ -270,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 
   extern __shared__ __align__(16) unsigned char smem[];
   const FusedSmem lay(g, Kb, BT);
-  // [parity][BT][Kb]: the recurrent gate gradients of every unit of a step, at k * G + gate.
+  // [parity][BT][Kb]: the recurrent gate gradients of every unit of a step, at k * 4 + gate.
   float* g_s = reinterpret_cast<float*>(smem + lay.v);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
@@ -278,17 +282,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 
   load_lengths(lens, a.lengths, g, blk);
   for (int e = threadIdx.x; e < 2 * gbuf; e += kThreads) g_s[e] = 0.0f;
-  // Column `unit` of W_hh, rows in the order r' = k * G + gate, chunks ln.q + m * ks of r', zero past G*H.
+  // Column `unit` of W_hh: chunk k (lanes' chunks ln.q + m * ks) holds rows q * H + k of gates q < G,
+  // zero past them.
   float4 w[NW];
 #pragma unroll
   for (int m = 0; m < NW; ++m) {
-    const int r0 = 4 * (ln.q + m * ln.ks);
+    const int k = ln.q + m * ln.ks;
     float e[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = r0 + i, k = r / G, q = r - k * G;
-      e[i] = ln.unit && r < GH ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
-    }
+    for (int q = 0; q < 4; ++q)
+      e[q] = ln.unit && k < H && q < G ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
     w[m] = make_float4(e[0], e[1], e[2], e[3]);
   }
   const int64_t sample = blk.b0 + ln.jb;
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
   for (int s = smax - 1;; --s) {
     const int cur = s & 1;  // the buffer this step fills (s = -1: 1, unused)
-    if (cluster && s >= 0) mbox.expect(cur, static_cast<uint32_t>(blk.bv * GH * 4));
+    if (cluster && s >= 0) mbox.expect(cur, static_cast<uint32_t>(blk.bv * Kb * 4));
     float p[F];
 #pragma unroll
     for (int f = 0; f < F; ++f) p[f] = pnext[f];
@@ -341,17 +344,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if (ln.unit) {
       const float* v = g_s + (cur ^ 1) * gbuf;
 #pragma unroll
-      for (int m = 0; m < NW; ++m) {
-        const int k4 = ln.q + m * ln.ks;
-        if (k4 >= k4n) break;
+      for (int b = 0; b < BT; ++b) {
+        if (b >= blk.bv) break;
 #pragma unroll
-        for (int b = 0; b < BT; ++b) {
-          if (b >= blk.bv) break;
-          const float4 gv = *reinterpret_cast<const float4*>(v + b * Kb + 4 * k4);
-          acc[b] = fmaf(w[m].x, gv.x, acc[b]);
-          acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
-          acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
-          acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
+        for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
+          if (m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
+#pragma unroll
+          for (int m = m0; m < m0 + kFusedChunks; ++m) {
+            const float4 gv = chunk(v + b * Kb, ln.q + m * ln.ks, k4n);
+            acc[b] = fmaf(w[m].x, gv.x, acc[b]);
+            acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
+            acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
+            acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
+          }
         }
       }
     }
@@ -370,10 +375,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       break;
     }
     const bool live = ln.mine && s < len;
-    float rg[G];  // this step's recurrent gate gradients (zero where the sample has not started)
+    float rg[4];  // this step's recurrent gate gradients (zero where the sample has not started; GRU: 3)
     float dn = 0.0f;
 #pragma unroll
-    for (int q = 0; q < G; ++q) rg[q] = 0.0f;
+    for (int q = 0; q < 4; ++q) rg[q] = 0.0f;
     if (live) {
       const float dht = dh + p[F - 1];
       if constexpr (C == Cell::kLSTM) {
@@ -394,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         ddir = dht * z;
       }
     }
-    ln.send<G>(mbox, cluster, g.nc, BT, g_s + cur * gbuf, ln.jb * Kb + unit * G, cur, rg);
+    ln.send<4>(mbox, cluster, g.nc, BT, g_s + cur * gbuf, ln.jb * Kb + unit * 4, cur, rg);
     VLSEQ_MARK(1, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);

@@ -71,8 +71,8 @@ constexpr int kWarps = kThreads / 32;
 // so each thread's pairs are computed once and held in registers.
 constexpr int kMaxItems = 4;
 // The fused kernels' W_hh in registers: float4 chunks of k per lane and row (forward: G rows, the
-// gates of one unit; backward: one column as G * kFusedChunks chunks), G x 4 x 4 = 64 registers
-// for an LSTM.
+// gates of one unit; backward: one column as 4 * kFusedChunks chunks of four gates), at most
+// 4 x 4 x 4 = 64 registers.
 constexpr int kFusedChunks = 4;
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
@@ -175,12 +175,12 @@ __host__ __device__ inline int fused_lanes(int hs) {
 __host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt) {
   const int ks = fused_lanes(hs);
   return bs <= bt && hs * ks <= kThreads && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= kFusedChunks &&
-         ceil_div(round_up(G * H, 4) / 4, ks) <= G * kFusedChunks;
+         ceil_div(H, ks) <= 4 * kFusedChunks;
 }
 
 // Shared memory of the fused kernels: two exchange buffers (step parity) of bt rows of `row` floats
-// (forward: h, row = round_up(H, 4); backward: the recurrent gate gradients of every unit, row =
-// round_up(G * H, 4)), the lengths, the mailbox.
+// (forward: h, row = round_up(H, 4); backward: the recurrent gate gradients of every unit, four per
+// unit, row = 4 * H), the lengths, the mailbox.
 struct FusedSmem {
   int v, lens, bars, total;
   __host__ __device__ FusedSmem(const Geometry& g, int row, int bt) {
