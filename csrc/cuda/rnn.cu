@@ -71,7 +71,10 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 
 // Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
 // timings of benchmarks/probe/step_timing.cu on an H200 (hidden 64-256, LSTM and GRU, 1-16 blocks,
-// 1-8 samples per block; BENCHMARKS.md, seventh session), within about 20%.
+// 1-8 samples per block; BENCHMARKS.md, seventh session, run 2), within about 20%. The fused steps
+// measured 5-35% below it since (run 3: loads without a branch per chunk); refitting them would send
+// fp32 LSTM 256 at batch 32 to an unmeasured 8-block layout by a 2% margin, so the constants stay
+// those whose choices the bench measured (run 3).
 //   generic   products from shared memory: ~850 + 0.58 per 128 B of W read per batch tile + 3.2 per
 //             FMA-clock (the block's FMAs over 128 lanes, samples padded to the tile, counted as an
 //             LSTM's: the GRU's three gates take as long as four); the cell, output stores and next

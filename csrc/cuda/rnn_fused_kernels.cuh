@@ -165,13 +165,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     h = a.h0[sample * H + unit];
     if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
   }
-  __syncthreads();
-  const int len = ln.mine ? lens[ln.jb] : 0;
-  int smax = 0;
-  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar.arrive();
-  bar.wait();
+  const int smax = finish_setup(bar, lens, g.bs);
+  const int len = ln.mine ? lens[ln.jb] : 0;
   if (cluster && ln.idle_warp) return;
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
@@ -301,13 +297,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     dh_last = a.dh_n ? a.dh_n[sample * H + unit] : 0.0f;
     if constexpr (C == Cell::kLSTM) dc = a.dc_n ? a.dc_n[sample * H + unit] : 0.0f;
   }
-  __syncthreads();
-  const int len = ln.mine ? lens[ln.jb] : 0;
-  int smax = 0;
-  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar.arrive();
-  bar.wait();
+  const int smax = finish_setup(bar, lens, g.bs);
+  const int len = ln.mine ? lens[ln.jb] : 0;
   if (cluster && ln.idle_warp) return;
 
   // What step s reads, loaded a step ahead: LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z, n,

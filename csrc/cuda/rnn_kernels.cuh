@@ -342,6 +342,18 @@ struct GroupBarrier {
   }
 };
 
+// The end of every kernel's set-up: this block's shared memory written (a __syncthreads), then the
+// group barrier, after which every block of the group has started and initialised its mailbox (no
+// remote store can reach a block before). Returns the longest of the group's `bs` lengths.
+__device__ __forceinline__ int finish_setup(GroupBarrier& bar, const int* lens, int bs) {
+  __syncthreads();
+  int smax = 0;
+  for (int b = 0; b < bs; ++b) smax = max(smax, lens[b]);
+  bar.arrive();
+  bar.wait();
+  return smax;
+}
+
 // The ks consecutive lanes that split sums over k combine their parts with a butterfly: every lane
 // ends with the same totals (each level adds the same two values, in either order), summed in a
 // fixed order (the same bits every run). Every lane of the warp must call it (the shuffles).
@@ -518,12 +530,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
   for (int i = 0; i < kMaxItems; ++i)
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = it.b[i] >= 0 && a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
-  __syncthreads();
-  int smax = 0;
-  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar.arrive();
-  bar.wait();
+  const int smax = finish_setup(bar, lens, g.bs);
 
   // The input projections of this thread's pairs, loaded one step ahead into registers (their
   // latency hides behind the barrier and the next products). xrow: sample b's row at unit j.
@@ -702,12 +710,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
     ddir[e] = 0.0f;
   }
   const Items it(bv, hv);
-  __syncthreads();
-  int smax = 0;
-  for (int b = 0; b < g.bs; ++b) smax = max(smax, lens[b]);
   GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
-  bar.arrive();
-  bar.wait();
+  const int smax = finish_setup(bar, lens, g.bs);
 
   // The sum, in rank order, of the partial dh that every block delivered for pair (b, j) at a
   // step of parity `parity`.

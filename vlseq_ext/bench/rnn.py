@@ -42,10 +42,13 @@ class Point:
 
 
 POINTS = [
+    Point("lstm64_b1", "lstm", 64, 1, False, 1, 480, target=1.0),
     Point("lstm64_b32", "lstm", 64, 1, False, 32, 480, target=1.0),
     Point("lstm64_b32_var", "lstm", 64, 1, False, 32, 500, "50-500"),
     Point("lstm128_b1", "lstm", 128, 1, False, 1, 480, target=1.0),
     Point("lstm128_b32", "lstm", 128, 1, False, 32, 480, target=1.0),
+    Point("gru128_b32", "gru", 128, 1, False, 32, 480, target=1.0),
+    Point("gru128bi_b32", "gru", 128, 1, True, 32, 480, target=1.0),
     Point("lstm256x2_b1", "lstm", 256, 2, False, 1, 480, target=3.0),
     Point("lstm256x2_b8", "lstm", 256, 2, False, 8, 480),
     Point("lstm256x2_b32", "lstm", 256, 2, False, 32, 480),
