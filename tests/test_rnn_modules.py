@@ -184,7 +184,7 @@ def test_trainer_swaps_the_models_rnns_and_keeps_its_parameters():
 
 
 def test_auto_follows_the_measured_rule(monkeypatch):
-    """auto: cuDNN for unpadded input up to hidden 128 or under bf16 autocast, and for grid layouts
+    """auto: cuDNN for unpadded input up to hidden 64 or under bf16 autocast, and for grid layouts
     with 16+ samples per block; the kernels otherwise (modules.AUTO_CUDNN_* and BENCHMARKS.md)."""
     monkeypatch.setattr(modules, "CPU_KERNELS", True)
     x = torch.randn(2, 3, 4)
@@ -194,7 +194,8 @@ def test_auto_follows_the_measured_rule(monkeypatch):
         monkeypatch.setattr(m, "_plan", lambda batch, device: plan)
         return m.uses_kernels(x, 2, padded)
 
-    assert not choice(128, padded=False) and choice(128, padded=True) and choice(256, padded=False)
+    assert not choice(64, padded=False) and choice(64, padded=True) and choice(65, padded=False)
+    assert choice(128, padded=False) and choice(256, padded=False)
     grid = "grid 103 blocks x 1 groups, 10 units and {} samples per block, h staged 8 samples at a time"
     assert not choice(1024, False, grid.format(32)) and not choice(1024, True, grid.format(16))
     assert choice(512, False, grid.format(6))
