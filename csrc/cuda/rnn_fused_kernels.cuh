@@ -83,33 +83,51 @@ __device__ __forceinline__ float4 chunk(const float* row, int k4, int k4n) {
   return k4 < k4n ? *reinterpret_cast<const float4*>(row + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// This thread's place in a fused kernel (the header comment above).
-struct FusedLane {
-  int ks, q, j, jb;
-  bool unit;    // j is one of the block's units: the lane takes part in the products
-  bool mine;    // and sample jb is one of the group's: the lane runs its cell and sends
-  bool writer;  // and the lane writes that (sample, unit)'s outputs
-  bool idle_warp;
-  __device__ __forceinline__ FusedLane(const Geometry& g, const Block& blk, int bt) {
-    ks = fused_lanes(g.hs);
-    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % bt;
-    unit = j < blk.hv, mine = unit && jb < blk.bv, writer = mine && q < bt;
+// What both fused kernels set up first: where this thread sits (the header comment above), and the
+// block's shared memory: two exchange buffers of BT rows of `row` floats (`buf`, by step parity), the
+// group's lengths (loaded here), the mailbox.
+template <int BT>
+struct FusedThread {
+  Block blk;
+  int nc, ks, q, j, jb;
+  bool has_unit;   // j is one of the block's units: the lane takes part in the products
+  bool mine;       // and sample jb is one of the group's: the lane runs its cell and sends
+  bool writer;     // and the lane writes that (sample, unit)'s outputs
+  bool idle_warp;  // no lane of the warp has a unit
+  bool cluster;
+  int unit;        // j0 + j
+  int64_t sample;  // b0 + jb
+  float* buf;
+  int* lens;
+  Mailbox mbox;
+  __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, int row, unsigned char* smem)
+      : blk(g), mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
+    const FusedSmem lay(g, row, BT);
+    nc = g.nc, ks = fused_lanes(g.hs);
+    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
+    has_unit = j < blk.hv, mine = has_unit && jb < blk.bv, writer = mine && q < BT;
     idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
+    cluster = g.sync == Sync::kCluster;
+    unit = blk.j0 + j, sample = blk.b0 + jb;
+    buf = reinterpret_cast<float*>(smem + lay.v);
+    lens = reinterpret_cast<int*>(smem + lay.lens);
+    load_lengths(lens, lengths, g, blk);
   }
-  // Sends n values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer
-  // `buf` of parity `parity` in each of its destination blocks; a single block stores them once.
+  // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
+  // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
+  // them once.
   template <int N>  // 1 or 4
-  __device__ __forceinline__ void send(const Mailbox& mbox, bool cluster, int nc, int bt, float* buf, int at,
-                                       int parity, const float (&v)[N]) const {
+  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
     if (!mine) return;
+    float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
-      if (q < bt)
+      if (q < BT)
 #pragma unroll
-        for (int i = 0; i < N; ++i) buf[at + i] = v[i];
+        for (int i = 0; i < N; ++i) to_local[i] = v[i];
       return;
     }
-    const uint32_t to = smem_u32(buf + at);
-    for (int d = q / bt; d < nc; d += ks / bt) {
+    const uint32_t to = smem_u32(to_local);
+    for (int d = q / BT; d < nc; d += ks / BT) {
       if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
       else
@@ -124,19 +142,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kp = round_up(H, 4), k4n = Kp / 4;
-  const Block blk(g);
-  const FusedLane ln(g, blk, BT);
-  const bool cluster = g.sync == Sync::kCluster;
-  const int unit = blk.j0 + ln.j;
-
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedSmem lay(g, Kp, BT);
-  float* h_s = reinterpret_cast<float*>(smem + lay.v);  // [parity][BT][Kp]: h_{t-1} of the group's samples
-  int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
+  const FusedThread<BT> ln(g, a.lengths, Kp, smem);
+  const Block& blk = ln.blk;
+  const int unit = ln.unit;
+  const int64_t sample = ln.sample;
+  float* h_s = ln.buf;  // [parity][BT][Kp]: h_{t-1} of the group's samples
   const int hbuf = BT * Kp;
 
-  load_lengths(lens, a.lengths, g, blk);
   // Buffer 0 = h0; the rest zero (rows past bv and columns past H stay so: nobody sends there).
   for (int e = threadIdx.x; e < 2 * hbuf; e += kThreads) {
     const int b = e % hbuf / Kp, k = e % Kp;
@@ -152,12 +165,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       float e[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        e[i] = ln.unit && k0 + i < H ? __ldg(a.w_hh + static_cast<int64_t>(q * H + unit) * H + k0 + i) : 0.0f;
+        e[i] = ln.has_unit && k0 + i < H ? __ldg(a.w_hh + static_cast<int64_t>(q * H + unit) * H + k0 + i) : 0.0f;
       w[q][m] = make_float4(e[0], e[1], e[2], e[3]);
     }
   }
   // The state of this lane's (sample, unit) and its bias.
-  const int64_t sample = blk.b0 + ln.jb;
   float h = 0.0f, c = 0.0f, bias[G];
 #pragma unroll
   for (int q = 0; q < G; ++q) bias[q] = ln.mine && a.b_hh ? a.b_hh[q * H + unit] : 0.0f;
@@ -166,9 +178,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, lens, g.bs);
-  const int len = ln.mine ? lens[ln.jb] : 0;
-  if (cluster && ln.idle_warp) return;
+  const int smax = finish_setup(bar, ln.lens, g.bs);
+  const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  if (ln.cluster && ln.idle_warp) return;
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
   const float* xrow = a.xproj + (sample * T) * GH + unit;
@@ -182,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   prefetch(0);
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
-    if (cluster) mbox.expect(cur ^ 1, static_cast<uint32_t>(blk.bv * H * 4));
+    if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(blk.bv * H * 4));
     float x[G];
 #pragma unroll
     for (int q = 0; q < G; ++q) x[q] = xnext[q];
@@ -191,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     float acc[G * BT];
 #pragma unroll
     for (int i = 0; i < G * BT; ++i) acc[i] = 0.0f;
-    if (ln.unit) {
+    if (ln.has_unit) {
       const float* v = h_s + cur * hbuf;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
@@ -232,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       }
     }
     // Frozen samples publish their unchanged h too.
-    ln.send<1>(mbox, cluster, g.nc, BT, h_s + (cur ^ 1) * hbuf, ln.jb * Kp + unit, cur ^ 1, {h});
+    ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
@@ -243,8 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     }
     prefetch(s + 1);
     VLSEQ_MARK(0, 3, s);
-    if (cluster)
-      mbox.wait(cur ^ 1, (s >> 1) & 1);
+    if (ln.cluster)
+      ln.mbox.wait(cur ^ 1, (s >> 1) & 1);
     else
       bar.wait();
   }
@@ -263,20 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   constexpr int NW = 4 * kFusedChunks;
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kb = 4 * H, k4n = H;
-  const Block blk(g);
-  const FusedLane ln(g, blk, BT);
-  const bool cluster = g.sync == Sync::kCluster;
-  const int unit = blk.j0 + ln.j;
-
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedSmem lay(g, Kb, BT);
-  // [parity][BT][Kb]: the recurrent gate gradients of every unit of a step, at k * 4 + gate.
-  float* g_s = reinterpret_cast<float*>(smem + lay.v);
-  int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
+  const FusedThread<BT> ln(g, a.lengths, Kb, smem);
+  const Block& blk = ln.blk;
+  const int unit = ln.unit;
+  const int64_t sample = ln.sample;
+  float* g_s = ln.buf;  // [parity][BT][Kb]: the recurrent gate gradients of every unit of a step, at k * 4 + gate
   const int gbuf = BT * Kb;
 
-  load_lengths(lens, a.lengths, g, blk);
   for (int e = threadIdx.x; e < 2 * gbuf; e += kThreads) g_s[e] = 0.0f;
   // Column `unit` of W_hh: chunk k (lanes' chunks ln.q + m * ks) holds rows q * H + k of gates q < G,
   // zero past them.
@@ -287,10 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     float e[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      e[q] = ln.unit && k < H && q < G ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
+      e[q] = ln.has_unit && k < H && q < G ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
     w[m] = make_float4(e[0], e[1], e[2], e[3]);
   }
-  const int64_t sample = blk.b0 + ln.jb;
   // dh and dc that enter the last step; ddir: the GRU's direct path z * dh into the step before.
   float dh_last = 0.0f, dc = 0.0f, ddir = 0.0f;
   if (ln.mine) {
@@ -298,9 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if constexpr (C == Cell::kLSTM) dc = a.dc_n ? a.dc_n[sample * H + unit] : 0.0f;
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, lens, g.bs);
-  const int len = ln.mine ? lens[ln.jb] : 0;
-  if (cluster && ln.idle_warp) return;
+  const int smax = finish_setup(bar, ln.lens, g.bs);
+  const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  if (ln.cluster && ln.idle_warp) return;
 
   // What step s reads, loaded a step ahead: LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z, n,
   // W_hn h + b_hn, h_{t-1}, dy.
@@ -323,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
   for (int s = smax - 1;; --s) {
     const int cur = s & 1;  // the buffer this step fills (s = -1: 1, unused)
-    if (cluster && s >= 0) mbox.expect(cur, static_cast<uint32_t>(blk.bv * Kb * 4));
+    if (ln.cluster && s >= 0) ln.mbox.expect(cur, static_cast<uint32_t>(blk.bv * Kb * 4));
     float p[F];
 #pragma unroll
     for (int f = 0; f < F; ++f) p[f] = pnext[f];
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     float acc[4 * BT];
 #pragma unroll
     for (int i = 0; i < 4 * BT; ++i) acc[i] = 0.0f;
-    if (ln.unit) {
+    if (ln.has_unit) {
       const float* v = g_s + (cur ^ 1) * gbuf;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
@@ -391,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         ddir = dht * z;
       }
     }
-    ln.send<4>(mbox, cluster, g.nc, BT, g_s + cur * gbuf, ln.jb * Kb + unit * 4, cur, rg);
+    ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     VLSEQ_MARK(1, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
@@ -406,8 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     }
     prefetch(s - 1);
     VLSEQ_MARK(1, 3, s);
-    if (cluster)
-      mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
+    if (ln.cluster)
+      ln.mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
     else
       bar.wait();
   }
