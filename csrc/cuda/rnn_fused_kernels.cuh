@@ -9,11 +9,10 @@
 // Block `rank` owns hidden units [j0, j0 + hv). Unit j of the block has ks = fused_lanes(hs)
 // consecutive lanes (one warp or part of one); lane q of them holds chunks q, q + ks, ... (float4s
 // of the contraction index) of the unit's weights and sums that share of the products for all BT
-// samples of the tile (padding samples skipped); a butterfly (sample_sums) gives each lane the totals
-// of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a sample hold the
-// same state and compute the same bits)
-// and sends the result to blocks q / BT, q / BT + ks / BT, ... (all nc blocks between them); lane
-// q = jb also writes the sample's outputs.
+// samples of the tile (padding samples skipped); a butterfly (sample_sums) gives each lane the
+// totals of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a
+// sample hold the same state and compute the same bits) and sends the result to blocks q / BT,
+// q / BT + ks / BT, ... (all nc blocks between them); lane q = jb also writes the sample's outputs.
 //   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
 //             sent to every block (all-gather of h, as in the generic kernel);
 //   backward: products W_hh[:, j]^T g_{t+1} (one column, contraction over all G*H recurrent gate
