@@ -51,6 +51,32 @@ def _previous_states(y: Tensor, h0: Tensor, lengths: Tensor, reverse: bool) -> T
     return torch.where(last, h0.unsqueeze(1), prev)
 
 
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _recurrence(cell: str, precision: str, reverse: bool, max_blocks: int, x: Tensor, lengths: Tensor, h0: Tensor,
+                c0: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
+    """One layer and direction over x (B, T, D): the input projection of every step (one GEMM), then
+    the recurrence (ops.rnn_forward): (y, h_n, c_n, saved, cs)."""
+    B, T, D = x.shape
+    xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
+    if b_ih is not None:
+        xproj = xproj + b_ih
+    return ops.rnn_forward(cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(), _contiguous(b_hh),
+                           h0.contiguous(), _contiguous(c0), lengths, reverse, precision, max_blocks)
+
+
+def _recurrence_backward(cell: str, precision: str, reverse: bool, max_blocks: int, w_hh: Tensor, y: Tensor,
+                         saved: Tensor, cs: Tensor, h0: Tensor, c0: Optional[Tensor], lengths: Tensor,
+                         dy: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor]):
+    """ops.rnn_backward of _recurrence's recurrence: (dgates, dgates_hn, dh0, dc0); a GRU's dc_n is
+    ignored (its c_n is an empty placeholder)."""
+    return ops.rnn_backward(cell, w_hh.contiguous(), y, saved, cs, h0.contiguous(), _contiguous(c0), lengths,
+                            _contiguous(dy), _contiguous(dh_n), None if cell == "gru" else _contiguous(dc_n), reverse,
+                            precision, max_blocks)
+
+
 def _weight_grads(cell: str, precision: str, dgates: Tensor, dgates_hn: Optional[Tensor], x: Tensor, y: Tensor,
                   h0: Tensor, lengths: Optional[Tensor], reverse: bool, need) -> List[Optional[Tensor]]:
     """[dw_ih, dw_hh, db_ih, db_hh] of one layer and direction from its gate gradients over the whole
@@ -78,15 +104,9 @@ class _Layer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cell: str, precision: str, reverse: bool, max_blocks: int, x: Tensor, lengths: Tensor, h0: Tensor,
                 c0: Optional[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor]):
-        B, T, D = x.shape
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
-            if b_ih is not None:
-                xproj = xproj + b_ih
-            y, h_n, c_n, saved, cs = ops.rnn_forward(
-                cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(),
-                None if b_hh is None else b_hh.contiguous(), h0.contiguous(),
-                None if c0 is None else c0.contiguous(), lengths, reverse, precision, max_blocks)
+            y, h_n, c_n, saved, cs = _recurrence(cell, precision, reverse, max_blocks, x, lengths, h0, c0, w_ih, w_hh,
+                                                 b_ih, b_hh)
         ctx.meta = (cell, precision, reverse, max_blocks)
         ctx.set_materialize_grads(False)  # unused outputs cost no zero tensors (the ops take None)
         if cell == "gru":
@@ -101,10 +121,8 @@ class _Layer(torch.autograd.Function):
         x, lengths, h0, c0, w_ih, w_hh, y, saved, cs = ctx.saved_tensors
         B, T, D = x.shape
         with torch.autocast(device_type=x.device.type, enabled=False):
-            dgates, dgates_hn, dh0, dc0 = ops.rnn_backward(
-                cell, w_hh.contiguous(), y, saved, cs, h0.contiguous(), None if c0 is None else c0.contiguous(),
-                lengths, None if dy is None else dy.contiguous(), None if dh_n is None else dh_n.contiguous(),
-                None if dc_n is None or cell == "gru" else dc_n.contiguous(), reverse, precision, max_blocks)
+            dgates, dgates_hn, dh0, dc0 = _recurrence_backward(cell, precision, reverse, max_blocks, w_hh, y, saved, cs,
+                                                               h0, c0, lengths, dy, dh_n, dc_n)
             need = ctx.needs_input_grad
             dx = _gemm(dgates.view(B * T, -1), w_ih, precision).view(B, T, D) if need[4] else None
             grads = _weight_grads(cell, precision, dgates, dgates_hn, x, y, h0, lengths, reverse, need[8:12])
@@ -148,15 +166,10 @@ class _Pipelined(torch.autograd.Function):
                         inp = x[:, t0:t1] if l == 0 else ys[l - 1][k]
                         if masks[l] is not None:
                             inp = inp * masks[l][:, t0:t1]
-                        xproj = _gemm(inp.reshape(B * (t1 - t0), -1), w_ih.t(), precision)
-                        if b_ih is not None:
-                            xproj = xproj + b_ih
                         hk = h0[l] if k == 0 else h_n[l]
                         ck = (c0[l] if k == 0 else c_n[l]) if lstm else None
-                        y, h_n[l], cn, sv, cs = ops.rnn_forward(
-                            cell, xproj.view(B, t1 - t0, -1), w_hh.contiguous(),
-                            None if b_hh is None else b_hh.contiguous(), hk.contiguous(),
-                            None if ck is None else ck.contiguous(), lens[k], False, precision)
+                        y, h_n[l], cn, sv, cs = _recurrence(cell, precision, False, 0, inp, lens[k], hk, ck, w_ih, w_hh,
+                                                            b_ih, b_hh)
                         c_n[l] = cn if lstm else None
                         ys[l][k], saved[l][k] = y, (hk, ck, sv, cs)
                         done[l][k] = concurrency.record(streams[l])
@@ -198,16 +211,15 @@ class _Pipelined(torch.autograd.Function):
                     with concurrency.on(streams[l]):
                         if l < L - 1 and done[l + 1][k] is not None:
                             streams[l].wait_event(done[l + 1][k])
-                        dy = (None if dout is None else dout[:, t0:t1].contiguous()) if l == L - 1 else dins[l + 1][k]
+                        dy = (None if dout is None else dout[:, t0:t1]) if l == L - 1 else dins[l + 1][k]
                         if k == last:
-                            dh = None if dh_n is None else dh_n[l].contiguous()
-                            dc = None if dc_n is None or not lstm else dc_n[l].contiguous()
+                            dh = None if dh_n is None else dh_n[l]
+                            dc = None if dc_n is None or not lstm else dc_n[l]
                         else:
                             dh, dc = dh0[l], dc0[l]
                         hk, ck, sv, cs = saved[l][k]
-                        dg, dg_hn, dh0[l], dcl = ops.rnn_backward(
-                            cell, w_hhs[l].contiguous(), ys[l][k], sv, cs, hk.contiguous(),
-                            None if ck is None else ck.contiguous(), lens[k], dy, dh, dc, False, precision)
+                        dg, dg_hn, dh0[l], dcl = _recurrence_backward(cell, precision, False, 0, w_hhs[l], ys[l][k], sv,
+                                                                      cs, hk, ck, lens[k], dy, dh, dc)
                         dc0[l] = dcl if lstm else None
                         dgates[l][k], dgates_hn[l][k] = dg, dg_hn
                         if l > 0 or ctx.needs_input_grad[4]:
