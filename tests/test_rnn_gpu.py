@@ -127,6 +127,17 @@ def test_several_samples_per_block_run_fused(rand, cls):
     compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
 
 
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
+    """13 samples on the fused kernels with several per block: the kernels deal them out longest
+    first (a last round that reaches only some groups) and multiply and send only the samples still
+    running, so the lengths tie, end at 1, and differ within every group."""
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV)
+    assert "fused cell and W_hh in registers (forward and backward)" in plan and " 1 samples per block" not in plan, \
+        plan
+    compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
+
+
 def test_wide_bidirectional_batch_32_lengths_50_to_500(rand):
     compare(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True, lengths=random_lengths(rand, 32, 50, 500))
 

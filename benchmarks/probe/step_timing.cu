@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
   float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
   const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
-  ForwardArgs fa{g, xp, w, bias, h0, lstm ? c0 : nullptr, dlens, y, hn, lstm ? cn : nullptr, saved,
+  ForwardArgs fa{g, xp, w, bias, h0, lstm ? c0 : nullptr, dlens, nullptr, y, hn, lstm ? cn : nullptr, saved,
                  lstm ? cs : nullptr, nullptr, nullptr};
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   }
   float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
   float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0), *dghn = upload((size_t)B * T * H, 0);
-  BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, dy, nullptr, nullptr, dgates,
+  BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, nullptr, dy, nullptr, nullptr, dgates,
                   lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, nullptr, nullptr};
   for (bool f : {false, true}) {
     if (f && !fused) continue;

@@ -236,6 +236,13 @@ const float* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+// The fused kernels' grouping of the samples (rnn_fused_kernels.cuh): their indices longest first,
+// sorted on the device (no host sync; stable, so the same groups every run). One sample needs none.
+at::Tensor samples_by_length(const at::Tensor& lengths, bool fused) {
+  return fused && lengths.numel() > 1 ? at::argsort(lengths, /*stable=*/true, /*dim=*/0, /*descending=*/true)
+                                      : at::Tensor();
+}
+
 }  // namespace
 
 std::string LayerPlan::describe() const {
@@ -313,6 +320,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
     xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
+  const at::Tensor order = samples_by_length(lengths, plan.fused_forward);
   ForwardArgs a{geometry(plan, z, reverse),
                 xproj.const_data_ptr<float>(),
                 w_hh.const_data_ptr<float>(),
@@ -320,6 +328,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 h0.const_data_ptr<float>(),
                 lstm ? c0->const_data_ptr<float>() : nullptr,
                 lengths.const_data_ptr<int64_t>(),
+                order.defined() ? order.const_data_ptr<int64_t>() : nullptr,
                 y.data_ptr<float>(),
                 h_n.data_ptr<float>(),
                 lstm ? c_n.data_ptr<float>() : nullptr,
@@ -351,6 +360,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
     xchg = at::empty({2 * plan.groups * plan.nc * plan.bs * z.H}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
+  const at::Tensor order = samples_by_length(lengths, plan.fused_backward);
   BackwardArgs a{geometry(plan, z, reverse),
                  w_hh.const_data_ptr<float>(),
                  y.const_data_ptr<float>(),
@@ -359,6 +369,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  h0.const_data_ptr<float>(),
                  lstm ? c0->const_data_ptr<float>() : nullptr,
                  lengths.const_data_ptr<int64_t>(),
+                 order.defined() ? order.const_data_ptr<int64_t>() : nullptr,
                  ptr_or_null(dy),
                  ptr_or_null(dh_n),
                  ptr_or_null(dc_n),

@@ -13,6 +13,10 @@
 // totals of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a
 // sample hold the same state and compute the same bits) and sends the result to blocks q / BT,
 // q / BT + ks / BT, ... (all nc blocks between them); lane q = jb also writes the sample's outputs.
+// Which samples a group runs: the host sorts the samples by length and FusedThread::slot_rank deals
+// them out, so that the slots of a group are in non-increasing order of length. A sample that has
+// ended (forward: s >= L; backward: s >= L, not yet begun) is neither multiplied nor sent: the samples
+// still running are a prefix of the slots, and a step costs what its running samples cost.
 //   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
 //             sent to every block (all-gather of h, as in the generic kernel);
 //   backward: products W_hh[:, j]^T g_{t+1} (one column, contraction over all G*H recurrent gate
@@ -30,7 +34,8 @@
 // step's buffer by the lanes of its units; a peer overwrites that buffer only at step s + 1 (the
 // other parity at s) after it has received all of this block's step-s sends, so after those reads.
 // A thread can fall behind only to the wait of the step before: the lanes of a warp with a unit meet
-// in every step's shuffles, and every unit has a sending lane (q = 0, sample 0), so no block gets
+// in every step's shuffles, and every unit has a sending lane (q = 0, slot 0, whose sample is the
+// group's longest and so runs every step), so no block gets
 // step s + 1's bytes, nor can the mailbox's phase of step s + 2 complete, before every such warp has
 // passed the wait of step s. Warps with no unit (tiles past hv) would not be held back, and could
 // see the parity of a later phase: in a cluster they leave after the set-up.
@@ -82,42 +87,72 @@ __device__ __forceinline__ float4 chunk(const float* row, int k4, int k4n) {
   return k4 < k4n ? *reinterpret_cast<const float4*>(row + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// What both fused kernels set up first: where this thread sits (the header comment above), and the
-// block's shared memory: two exchange buffers of BT rows of `row` floats (`buf`, by step parity), the
-// group's lengths (loaded here), the mailbox.
+// What both fused kernels set up first: where this thread sits (the header comment above), which
+// samples the group runs, and the block's shared memory: two exchange buffers of BT rows of `row`
+// floats (`buf`, by step parity), the lengths of the group's slots (loaded here), the mailbox.
 template <int BT>
 struct FusedThread {
-  Block blk;
+  Block blk;  // its units (j0, hv); the group's samples are the slots below, not blk.b0 / bv
   int nc, ks, q, j, jb;
+  int bv;          // the group's samples (slots 0 .. bv-1)
   bool has_unit;   // j is one of the block's units: the lane takes part in the products
-  bool mine;       // and sample jb is one of the group's: the lane runs its cell and sends
+  bool mine;       // and slot jb holds a sample: the lane runs its cell and sends
   bool writer;     // and the lane writes that (sample, unit)'s outputs
   bool idle_warp;  // no lane of the warp has a unit
   bool cluster;
   int unit;        // j0 + j
-  int64_t sample;  // b0 + jb
+  int64_t sample;  // the sample of slot jb
   float* buf;
-  int* lens;
+  int* lens;       // lens[b]: the length of slot b's sample (0 past bv), in non-increasing order
+  const int64_t* order;
+  int B, groups;
   Mailbox mbox;
-  __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, int row, unsigned char* smem)
+  __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, const int64_t* order_, int row,
+                                         unsigned char* smem)
       : blk(g), mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
     const FusedSmem lay(g, row, BT);
-    nc = g.nc, ks = fused_lanes(g.hs);
+    nc = g.nc, ks = fused_lanes(g.hs), order = order_, B = g.B, groups = blk.groups;
     q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
-    has_unit = j < blk.hv, mine = has_unit && jb < blk.bv, writer = mine && q < BT;
+    bv = 0;
+    while (bv < g.bs && slot_rank(bv) < B) ++bv;
+    has_unit = j < blk.hv, mine = has_unit && jb < bv, writer = mine && q < BT;
     idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
     cluster = g.sync == Sync::kCluster;
-    unit = blk.j0 + j, sample = blk.b0 + jb;
+    unit = blk.j0 + j, sample = mine ? slot_sample(jb) : 0;
     buf = reinterpret_cast<float*>(smem + lay.v);
     lens = reinterpret_cast<int*>(smem + lay.lens);
-    load_lengths(lens, lengths, g, blk);
+    for (int b = threadIdx.x; b < g.bs; b += kThreads)
+      lens[b] = b < bv ? static_cast<int>(clamp_length(lengths[slot_sample(b)], g.T)) : 0;
+  }
+  // Which sample slot b of this block's group holds (b < bv). The samples, longest first (`order`),
+  // are dealt to the groups in snake order: the sample of rank r goes to round (slot) r / groups,
+  // group r % groups in even rounds and groups - 1 - r % groups in odd ones. So every group gets one
+  // of the longest samples and about the same sum of lengths (a step costs roughly a fixed part plus
+  // a part per running sample), and a group's slots hold its samples longest first.
+  __device__ __forceinline__ int slot_rank(int b) const {
+    return b * groups + (b % 2 ? groups - 1 - blk.group : blk.group);
+  }
+  __device__ __forceinline__ int64_t slot_sample(int b) const {
+    const int r = slot_rank(b);
+    return order ? order[r] : r;
+  }
+  // The slots' lengths, in registers for running() (after finish_setup: other threads load lens).
+  __device__ __forceinline__ void slot_lengths(int (&len)[BT]) const {
+#pragma unroll
+    for (int b = 0; b < BT; ++b) len[b] = b < bv ? lens[b] : 0;
+  }
+  // Slots whose sample runs step s (length > s): a prefix of them, as their lengths do not increase.
+  __device__ __forceinline__ static int running(const int (&len)[BT], int s) {
+    int n = 0;
+#pragma unroll
+    for (int b = 0; b < BT; ++b) n += len[b] > s;
+    return n;
   }
   // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
   // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
-  // them once.
+  // them once. Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
   template <int N>  // 1 or 4
   __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
-    if (!mine) return;
     float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
       if (q < BT)
@@ -142,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kp = round_up(H, 4), k4n = Kp / 4;
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedThread<BT> ln(g, a.lengths, Kp, smem);
+  const FusedThread<BT> ln(g, a.lengths, a.order, Kp, smem);
   const Block& blk = ln.blk;
   const int unit = ln.unit;
   const int64_t sample = ln.sample;
@@ -152,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   // Buffer 0 = h0; the rest zero (rows past bv and columns past H stay so: nobody sends there).
   for (int e = threadIdx.x; e < 2 * hbuf; e += kThreads) {
     const int b = e % hbuf / Kp, k = e % Kp;
-    h_s[e] = e < hbuf && b < blk.bv && k < H ? a.h0[static_cast<int64_t>(blk.b0 + b) * H + k] : 0.0f;
+    h_s[e] = e < hbuf && b < ln.bv && k < H ? a.h0[ln.slot_sample(b) * H + k] : 0.0f;
   }
   // Rows q * H + unit of W_hh (gate q), chunks ln.q + m * ks of k, zero past H.
   float4 w[G][kFusedChunks];
@@ -179,6 +214,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, ln.lens, g.bs);
   const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  int slot_len[BT];
+  ln.slot_lengths(slot_len);
   if (ln.cluster && ln.idle_warp) return;
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
@@ -193,7 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   prefetch(0);
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
-    if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(blk.bv * H * 4));
+    // Samples that run this step: only they are multiplied and sent (slot 0 runs every step: each
+    // unit's lane q = 0 sends, which the no-barrier argument needs).
+    const int nact = FusedThread<BT>::running(slot_len, s);
+    if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(nact * H * 4));
     float x[G];
 #pragma unroll
     for (int q = 0; q < G; ++q) x[q] = xnext[q];
@@ -206,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       const float* v = h_s + cur * hbuf;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        if (b >= blk.bv) break;
+        if (b >= nact) break;
 #pragma unroll
         for (int m = 0; m < kFusedChunks; ++m) {
           const float4 hv = chunk(v + b * Kp, ln.q + m * ln.ks, k4n);
@@ -242,8 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
       }
     }
-    // Frozen samples publish their unchanged h too.
-    ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
+    if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
@@ -275,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kb = 4 * H, k4n = H;
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedThread<BT> ln(g, a.lengths, Kb, smem);
+  const FusedThread<BT> ln(g, a.lengths, a.order, Kb, smem);
   const Block& blk = ln.blk;
   const int unit = ln.unit;
   const int64_t sample = ln.sample;
@@ -304,6 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, ln.lens, g.bs);
   const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  int slot_len[BT];
+  ln.slot_lengths(slot_len);
   if (ln.cluster && ln.idle_warp) return;
 
   // What step s reads, loaded a step ahead: LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z, n,
@@ -327,7 +368,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
   for (int s = smax - 1;; --s) {
     const int cur = s & 1;  // the buffer this step fills (s = -1: 1, unused)
-    if (ln.cluster && s >= 0) ln.mbox.expect(cur, static_cast<uint32_t>(blk.bv * Kb * 4));
+    // Samples that run this step (they send; slot 0 runs every step, as in the forward), and those
+    // that ran the step after (their gate gradients are the products'; the others' dh is dh_last).
+    // A sample's rows in the buffers stay zero until its last step (it sends from there on).
+    const int nact = FusedThread<BT>::running(slot_len, s), nafter = FusedThread<BT>::running(slot_len, s + 1);
+    if (ln.cluster && s >= 0) ln.mbox.expect(cur, static_cast<uint32_t>(nact * Kb * 4));
     float p[F];
 #pragma unroll
     for (int f = 0; f < F; ++f) p[f] = pnext[f];
@@ -341,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       const float* v = g_s + (cur ^ 1) * gbuf;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        if (b >= blk.bv) break;
+        if (b >= nafter) break;
 #pragma unroll
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
           if (m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
@@ -395,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         ddir = dht * z;
       }
     }
-    ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
+    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     VLSEQ_MARK(1, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);

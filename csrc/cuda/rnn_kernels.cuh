@@ -97,6 +97,10 @@ struct ForwardArgs {
   const float* h0;
   const float* c0;  // LSTM only
   const int64_t* lengths;
+  // The fused kernels' grouping: the samples in descending order of length (rnn_fused_kernels.cuh);
+  // null: 0 .. B-1, which is that order only when the lengths do not increase. The generic kernels
+  // ignore it.
+  const int64_t* order;
   float* y;
   float* h_n;
   float* c_n;
@@ -115,6 +119,7 @@ struct BackwardArgs {
   const float* h0;
   const float* c0;
   const int64_t* lengths;
+  const int64_t* order;  // as in ForwardArgs
   const float* dy;    // may be null
   const float* dh_n;  // may be null
   const float* dc_n;  // may be null
