@@ -13,6 +13,8 @@
 // totals of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a
 // sample hold the same state and compute the same bits) and sends the result to blocks q / BT,
 // q / BT + ks / BT, ... (all nc blocks between them); lane q = jb also writes the sample's outputs.
+// (Forward, where two units share a warp: the pair's lanes send both units' h as one float2, each
+// lane to every other one of its destinations.)
 // Which samples a group runs: the host sorts the samples by length and FusedThread::slot_rank deals
 // them out, so that the slots of a group are in non-increasing order of length. A sample that has
 // ended (forward: s >= L; backward: s >= L, not yet begun) is neither multiplied nor sent: the samples
@@ -34,12 +36,14 @@
 // step's buffer by the lanes of its units; a peer overwrites that buffer only at step s + 1 (the
 // other parity at s) after it has received all of this block's step-s sends, so after those reads.
 // A thread can fall behind only to the wait of the step before: the lanes of a warp with a unit meet
-// in every step's shuffles, and every unit has a sending lane (q = 0, slot 0, whose sample is the
-// group's longest and so runs every step), so no block gets
+// in every step's shuffles, and every such warp has a sending lane (q = 0 of its first unit, slot 0,
+// whose sample is the group's longest and so runs every step), so no block gets
 // step s + 1's bytes, nor can the mailbox's phase of step s + 2 complete, before every such warp has
 // passed the wait of step s. Warps with no unit (tiles past hv) would not be held back, and could
 // see the parity of a later phase: in a cluster they leave after the set-up.
 #pragma once
+
+#include <type_traits>
 
 #include "rnn_kernels.cuh"
 
@@ -80,11 +84,14 @@ __device__ __forceinline__ void sample_sums(const float (&v)[N * M], float (&out
   }
 }
 
-// Float4 chunk k4 of a shared-memory row, zero past its k4n chunks: a predicated load, with no branch
-// that would keep the loads of a group of chunks from issuing together (a branch per chunk measured
-// ~60-90 clocks per chunk).
-__device__ __forceinline__ float4 chunk(const float* row, int k4, int k4n) {
-  return k4 < k4n ? *reinterpret_cast<const float4*>(row + 4 * k4) : make_float4(0.f, 0.f, 0.f, 0.f);
+// The float4 of shared memory at p, or, kPredicated, zeros where !in_range: a predicated load, with no
+// branch that would keep the loads of a group of chunks from issuing together (a branch per chunk
+// measured ~60-90 clocks per chunk). Where every lane's chunks are in range (the common sizes) the
+// kernels take the unpredicated form: no compare and no zeroing per chunk.
+template <bool kPredicated>
+__device__ __forceinline__ float4 chunk(const float* p, bool in_range) {
+  if (kPredicated && !in_range) return make_float4(0.f, 0.f, 0.f, 0.f);
+  return *reinterpret_cast<const float4*>(p);
 }
 
 // What both fused kernels set up first: where this thread sits (the header comment above), which
@@ -148,11 +155,11 @@ struct FusedThread {
     for (int b = 0; b < BT; ++b) n += len[b] > s;
     return n;
   }
-  // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
-  // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
-  // them once. Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
-  template <int N>  // 1 or 4
-  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
+  // Sends N values to offset `at` (floats) of the exchange buffer of parity `parity` (rows of `row`
+  // floats) in destination blocks first, first + step, ... (< nc); a single block stores them once
+  // (lane q < BT). Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
+  template <int N>  // 1, 2 or 4
+  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N], int first, int step) const {
     float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
       if (q < BT)
@@ -161,9 +168,11 @@ struct FusedThread {
       return;
     }
     const uint32_t to = smem_u32(to_local);
-    for (int d = q / BT; d < nc; d += ks / BT) {
+    for (int d = first; d < nc; d += step) {
       if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
+      else if constexpr (N == 2)
+        mbox.send(d, to, parity, make_float2(v[0], v[1]));
       else
         mbox.send(d, to, parity, v[0]);
     }
@@ -228,10 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + t * GH + q * H);
   };
   prefetch(0);
+  const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
+  const bool pairs = ln.cluster && ln.ks <= 16 && g.hs % 2 == 0;  // the same in every lane of a warp
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
     // Samples that run this step: only they are multiplied and sent (slot 0 runs every step: each
-    // unit's lane q = 0 sends, which the no-barrier argument needs).
+    // warp's first lane with a unit sends, which the no-barrier argument needs).
     const int nact = FusedThread<BT>::running(slot_len, s);
     if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(nact * H * 4));
     float x[G];
@@ -242,14 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     float acc[G * BT];
 #pragma unroll
     for (int i = 0; i < G * BT; ++i) acc[i] = 0.0f;
-    if (ln.has_unit) {
-      const float* v = h_s + cur * hbuf;
+    auto products = [&](auto predicated) {
+      const float* v = h_s + cur * hbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
         if (b >= nact) break;
+        const float* p = v + b * Kp;
 #pragma unroll
-        for (int m = 0; m < kFusedChunks; ++m) {
-          const float4 hv = chunk(v + b * Kp, ln.q + m * ln.ks, k4n);
+        for (int m = 0; m < kFusedChunks; ++m, p += 4 * ln.ks) {
+          const float4 hv = chunk<decltype(predicated)::value>(p, ln.q + m * ln.ks < k4n);
 #pragma unroll
           for (int q = 0; q < G; ++q) {
             float& sum = acc[q * BT + b];
@@ -260,6 +272,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
           }
         }
       }
+    };
+    if (ln.has_unit) {
+      if (all_chunks)
+        products(std::false_type{});
+      else
+        products(std::true_type{});
     }
     float gh[G];
     sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
@@ -282,7 +300,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
       }
     }
-    if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
+    // Units j and j ^ 1 pair up where they share a warp (lanes ^ ks) in a cluster with an even hs: h of
+    // both as one float2 at the even unit, the pair's lanes of the sample taking alternate shares of
+    // the destinations, which halves the sends (they cost about a clock each whatever their width).
+    const float h_pair = pairs ? __shfl_xor_sync(0xffffffffu, h, ln.ks) : 0.0f;
+    if (live && pairs && (ln.j ^ 1) < blk.hv) {
+      const int odd = ln.j & 1;
+      const float v[2] = {odd ? h_pair : h, odd ? h : h_pair};
+      ln.template send<2>(cur ^ 1, Kp, ln.jb * Kp + unit - odd, v, ln.q / BT + odd * (ln.ks / BT), 2 * (ln.ks / BT));
+    } else if (live) {
+      ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h}, ln.q / BT, ln.ks / BT);
+    }
     VLSEQ_MARK(0, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
@@ -365,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     pnext[F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
   };
   prefetch(smax - 1);
+  const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range
   // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
   for (int s = smax - 1;; --s) {
     const int cur = s & 1;  // the buffer this step fills (s = -1: 1, unused)
@@ -382,17 +411,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     float acc[4 * BT];
 #pragma unroll
     for (int i = 0; i < 4 * BT; ++i) acc[i] = 0.0f;
-    if (ln.has_unit) {
-      const float* v = g_s + (cur ^ 1) * gbuf;
+    auto products = [&](auto predicated) {
+      constexpr bool kPredicated = decltype(predicated)::value;
+      const float* v = g_s + (cur ^ 1) * gbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
         if (b >= nafter) break;
+        const float* p = v + b * Kb;
 #pragma unroll
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
-          if (m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
+          if (kPredicated && m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
 #pragma unroll
-          for (int m = m0; m < m0 + kFusedChunks; ++m) {
-            const float4 gv = chunk(v + b * Kb, ln.q + m * ln.ks, k4n);
+          for (int m = m0; m < m0 + kFusedChunks; ++m, p += 4 * ln.ks) {
+            const float4 gv = chunk<kPredicated>(p, ln.q + m * ln.ks < k4n);
             acc[b] = fmaf(w[m].x, gv.x, acc[b]);
             acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
             acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
@@ -400,6 +431,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
           }
         }
       }
+    };
+    if (ln.has_unit) {
+      if (all_chunks)
+        products(std::false_type{});
+      else
+        products(std::true_type{});
     }
     float dot[BT], sum[1];
 #pragma unroll
@@ -440,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         ddir = dht * z;
       }
     }
-    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
+    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg, ln.q / BT, ln.ks / BT);
     VLSEQ_MARK(1, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
