@@ -13,8 +13,6 @@
 // totals of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a
 // sample hold the same state and compute the same bits) and sends the result to blocks q / BT,
 // q / BT + ks / BT, ... (all nc blocks between them); lane q = jb also writes the sample's outputs.
-// (Forward, where two units share a warp: the pair's lanes send both units' h as one float2, each
-// lane to every other one of its destinations.)
 // Which samples a group runs: the host sorts the samples by length and FusedThread::slot_rank deals
 // them out, so that the slots of a group are in non-increasing order of length. A sample that has
 // ended (forward: s >= L; backward: s >= L, not yet begun) is neither multiplied nor sent: the samples
@@ -36,8 +34,8 @@
 // step's buffer by the lanes of its units; a peer overwrites that buffer only at step s + 1 (the
 // other parity at s) after it has received all of this block's step-s sends, so after those reads.
 // A thread can fall behind only to the wait of the step before: the lanes of a warp with a unit meet
-// in every step's shuffles, and every such warp has a sending lane (q = 0 of its first unit, slot 0,
-// whose sample is the group's longest and so runs every step), so no block gets
+// in every step's shuffles, and every unit has a sending lane (q = 0, slot 0, whose sample is the
+// group's longest and so runs every step), so no block gets
 // step s + 1's bytes, nor can the mailbox's phase of step s + 2 complete, before every such warp has
 // passed the wait of step s. Warps with no unit (tiles past hv) would not be held back, and could
 // see the parity of a later phase: in a cluster they leave after the set-up.
@@ -155,11 +153,11 @@ struct FusedThread {
     for (int b = 0; b < BT; ++b) n += len[b] > s;
     return n;
   }
-  // Sends N values to offset `at` (floats) of the exchange buffer of parity `parity` (rows of `row`
-  // floats) in destination blocks first, first + step, ... (< nc); a single block stores them once
-  // (lane q < BT). Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
-  template <int N>  // 1, 2 or 4
-  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N], int first, int step) const {
+  // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
+  // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
+  // them once. Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
+  template <int N>  // 1 or 4
+  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
     float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
       if (q < BT)
@@ -168,11 +166,9 @@ struct FusedThread {
       return;
     }
     const uint32_t to = smem_u32(to_local);
-    for (int d = first; d < nc; d += step) {
+    for (int d = q / BT; d < nc; d += ks / BT) {
       if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
-      else if constexpr (N == 2)
-        mbox.send(d, to, parity, make_float2(v[0], v[1]));
       else
         mbox.send(d, to, parity, v[0]);
     }
@@ -238,11 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
-  const bool pairs = ln.cluster && ln.ks <= 16 && g.hs % 2 == 0;  // the same in every lane of a warp
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
     // Samples that run this step: only they are multiplied and sent (slot 0 runs every step: each
-    // warp's first lane with a unit sends, which the no-barrier argument needs).
+    // unit's lane q = 0 sends, which the no-barrier argument needs).
     const int nact = FusedThread<BT>::running(slot_len, s);
     if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(nact * H * 4));
     float x[G];
@@ -300,17 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
       }
     }
-    // Units j and j ^ 1 pair up where they share a warp (lanes ^ ks) in a cluster with an even hs: h of
-    // both as one float2 at the even unit, the pair's lanes of the sample taking alternate shares of
-    // the destinations, which halves the sends (they cost about a clock each whatever their width).
-    const float h_pair = pairs ? __shfl_xor_sync(0xffffffffu, h, ln.ks) : 0.0f;
-    if (live && pairs && (ln.j ^ 1) < blk.hv) {
-      const int odd = ln.j & 1;
-      const float v[2] = {odd ? h_pair : h, odd ? h : h_pair};
-      ln.template send<2>(cur ^ 1, Kp, ln.jb * Kp + unit - odd, v, ln.q / BT + odd * (ln.ks / BT), 2 * (ln.ks / BT));
-    } else if (live) {
-      ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h}, ln.q / BT, ln.ks / BT);
-    }
+    if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
@@ -477,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         ddir = dht * z;
       }
     }
-    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg, ln.q / BT, ln.ks / BT);
+    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     VLSEQ_MARK(1, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);

@@ -247,10 +247,6 @@ struct Mailbox {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
   }
-  __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float2 v) const {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n"
-                 ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "r"(peer(bars + 8 * parity, rank)) : "memory");
-  }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
                  ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
