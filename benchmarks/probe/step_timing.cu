@@ -1,20 +1,22 @@
 // Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16]   (default LSTM, fp32; 480 steps, one group of B
-// samples on nc blocks: the generic kernels, then, in fp32, the fused ones where they fit)
+// samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the reduce-scatter
+// backward where they fit)
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "rnn_fused_kernels.cuh"
+#include "rnn_scatter_kernel.cuh"
 
 using namespace vlseq::rnn;
 
 namespace vlseq::rnn {  // the library's kernel tables, instantiated here as rnn_forward.cu / rnn_backward.cu do
 VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel, rnn_forward_fused_kernel)
 VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel, rnn_backward_fused_kernel)
+VLSEQ_RNN_SCATTER_TABLE(backward_scatter_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -110,6 +112,12 @@ int main(int argc, char** argv) {
     launch(backward_kernel(cell, wt, bt, f), ba, nc, nc,
            f ? FusedSmem(g, Kb, bt).total : BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
     report(1, f ? 4 : 6, T, f ? fused_names : bnames);
+  }
+  if (!bf16 && fits_scatter(H, hs, B, bt)) {
+    static const char* scatter_names[] = {"cell+sync", "products+sync", "sums+send", "wait"};
+    printf(" reduce-scatter:\n");
+    launch(backward_scatter_kernel(cell, bt), ba, nc, nc, ScatterSmem(g, bt).total);
+    report(1, 4, T, scatter_names);
   }
   return 0;
 }

@@ -36,8 +36,9 @@ struct LayerPlan {
   int sync = 0;         // Sync: 0 local, 1 cluster, 2 grid
   int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
   // Each direction's kernel: fused (rnn_fused_kernels.cuh: W_hh in registers, the cell in the product
-  // lanes) or generic.
-  bool fused_forward = false, fused_backward = false;
+  // lanes) or generic; the backward may instead be the fused one with a reduce-scatter
+  // (rnn_scatter_kernel.cuh).
+  bool fused_forward = false, fused_backward = false, scatter_backward = false;
   int64_t smem_forward = 0, smem_backward = 0;
   std::string describe() const;
 };

@@ -88,9 +88,13 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 //             ~300 more per step than a single block's __syncthreads (measured 450-550 against
 //             210-270).
 double direction_clocks(bool backward, bool fused, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
-                        int wbytes) {
+                        int wbytes, bool scatter = false) {
   const bool cluster = sync == Sync::kCluster;
   const double R = G * hs, K = round_up(H, 4);
+  if (scatter) {  // not yet fitted: its FMA-clocks, a send per 4 units and ~100 of cell per sample
+    const double wait = cluster ? 300.0 : 0.0;
+    return 1500.0 + wait + bs * (4.0 * hs * K / 128.0 + K / 4.0 + 100.0);
+  }
   if (fused) {
     const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
     if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
@@ -139,16 +143,19 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
     // Each direction on the fused kernel where it fits, or the generic one (they share only global
     // tensors): the pair with the fewest clocks.
     const bool can_fuse = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt);
+    const bool can_scatter = w == Weights::kFP32 && fits_scatter(H, hs, bs, bt);
     const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
-    if (!can_fuse && std::max(generic_fwd, generic_bwd) > optin) break;  // generic shared memory only grows with bs
-    for (int pair = 0; pair < 4; ++pair) {
-      const bool ff = pair & 1, fb = pair & 2;
+    if (!can_fuse && !can_scatter && std::max(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
+    // The forward generic or fused; the backward generic, fused (all-gather) or reduce-scatter.
+    for (int pair = 0; pair < 6; ++pair) {
+      const bool ff = pair & 1, fb = pair / 2 == 1, sb = pair / 2 == 2;
       if ((ff || fb) && !can_fuse) continue;
+      if (sb && !can_scatter) continue;
       const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
-      const int64_t bwd = fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
+      const int64_t bwd = sb ? ScatterSmem(g, bt).total : fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
       if (std::max(fwd, bwd) > optin) continue;
       const void* fk = forward_kernel(cell, w, bt, ff);
-      const void* bk = backward_kernel(cell, w, bt, fb);
+      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb);
       prepare(fk, device, p.sharedMemPerBlockOptin);
       prepare(bk, device, p.sharedMemPerBlockOptin);
       const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
@@ -156,11 +163,12 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
       // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
       const bool within = sms == p.multiProcessorCount || groups <= resident;
       if (resident <= 0 || !within) continue;
-      const double clocks = ceil_div(groups, resident) * (direction_clocks(false, ff, sync, G, hs, H, bs, bt, nc, wbytes) +
-                                                          direction_clocks(true, fb, sync, G, hs, H, bs, bt, nc, wbytes));
+      const double clocks =
+          ceil_div(groups, resident) * (direction_clocks(false, ff, sync, G, hs, H, bs, bt, nc, wbytes) +
+                                        direction_clocks(true, fb, sync, G, hs, H, bs, bt, nc, wbytes, sb));
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, fwd, bwd};
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, sb, fwd, bwd};
         found = true;
       }
     }
@@ -198,7 +206,8 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
     const double clocks = grid_clocks(G, hs, H, bs, nc, groups, wbytes);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan = LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, fwd, bwd};
+      best.plan =
+          LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, false, fwd, bwd};
       found = true;
     }
   }
@@ -251,9 +260,11 @@ std::string LayerPlan::describe() const {
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
          (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") +
-         (fused_forward || fused_backward
+         (fused_forward || fused_backward || scatter_backward
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
-                    (fused_forward && fused_backward ? " and " : "") + (fused_backward ? "backward" : "") + ")"
+                    (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
+                    (fused_backward || scatter_backward ? "backward" : "") + ")" +
+                    (scatter_backward ? ", the backward by reduce-scatter" : "")
               : "") +
          ", shared memory " +
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
@@ -360,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
     xchg = at::empty({2 * plan.groups * plan.nc * plan.bs * z.H}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const at::Tensor order = samples_by_length(lengths, plan.fused_backward);
+  const at::Tensor order = samples_by_length(lengths, plan.fused_backward || plan.scatter_backward);
   BackwardArgs a{geometry(plan, z, reverse),
                  w_hh.const_data_ptr<float>(),
                  y.const_data_ptr<float>(),
@@ -379,7 +390,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward), a, plan, plan.smem_backward,
+  launch(plan.scatter_backward ? backward_scatter_kernel(z.cell, plan.bt)
+                                : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
+         a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }

@@ -13,10 +13,10 @@
 // totals of its sample jb = q % BT. Lane q then runs that sample's cell (the ks / BT lanes of a
 // sample hold the same state and compute the same bits) and sends the result to blocks q / BT,
 // q / BT + ks / BT, ... (all nc blocks between them); lane q = jb also writes the sample's outputs.
-// Which samples a group runs: the host sorts the samples by length and FusedThread::slot_rank deals
-// them out, so that the slots of a group are in non-increasing order of length. A sample that has
-// ended (forward: s >= L; backward: s >= L, not yet begun) is neither multiplied nor sent: the samples
-// still running are a prefix of the slots, and a step costs what its running samples cost.
+// Which samples a group runs: the host sorts the samples by length and Slots deals them out, so that
+// the slots of a group are in non-increasing order of length. A sample that has ended (forward:
+// s >= L; backward: s >= L, not yet begun) is neither multiplied nor sent: the samples still running
+// are a prefix of the slots, and a step costs what its running samples cost.
 //   forward:  products W_hh[gates of j] h_{t-1} (G rows, contraction over H); the cell gives h_t(j),
 //             sent to every block (all-gather of h, as in the generic kernel);
 //   backward: products W_hh[:, j]^T g_{t+1} (one column, contraction over all G*H recurrent gate
@@ -92,57 +92,32 @@ __device__ __forceinline__ float4 chunk(const float* p, bool in_range) {
   return *reinterpret_cast<const float4*>(p);
 }
 
-// What both fused kernels set up first: where this thread sits (the header comment above), which
-// samples the group runs, and the block's shared memory: two exchange buffers of BT rows of `row`
-// floats (`buf`, by step parity), the lengths of the group's slots (loaded here), the mailbox.
+// Which samples a group runs, in which slots, and their lengths (every fused kernel). The samples,
+// longest first (`order`), are dealt to the groups in snake order: the sample of rank r goes to round
+// (slot) r / groups, group r % groups in even rounds and groups - 1 - r % groups in odd ones. So every
+// group gets one of the longest samples and about the same sum of lengths (a step costs roughly a
+// fixed part plus a part per running sample), and a group's slots hold its samples longest first.
 template <int BT>
-struct FusedThread {
-  Block blk;  // its units (j0, hv); the group's samples are the slots below, not blk.b0 / bv
-  int nc, ks, q, j, jb;
-  int bv;          // the group's samples (slots 0 .. bv-1)
-  bool has_unit;   // j is one of the block's units: the lane takes part in the products
-  bool mine;       // and slot jb holds a sample: the lane runs its cell and sends
-  bool writer;     // and the lane writes that (sample, unit)'s outputs
-  bool idle_warp;  // no lane of the warp has a unit
-  bool cluster;
-  int unit;        // j0 + j
-  int64_t sample;  // the sample of slot jb
-  float* buf;
-  int* lens;       // lens[b]: the length of slot b's sample (0 past bv), in non-increasing order
+struct Slots {
+  int B, groups, group;
+  int bv;     // the group's samples (slots 0 .. bv-1)
+  int* lens;  // lens[b]: the length of slot b's sample (0 past bv), in non-increasing order
   const int64_t* order;
-  int B, groups;
-  Mailbox mbox;
-  __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, const int64_t* order_, int row,
-                                         unsigned char* smem)
-      : blk(g), mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
-    const FusedSmem lay(g, row, BT);
-    nc = g.nc, ks = fused_lanes(g.hs), order = order_, B = g.B, groups = blk.groups;
-    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
-    bv = 0;
-    while (bv < g.bs && slot_rank(bv) < B) ++bv;
-    has_unit = j < blk.hv, mine = has_unit && jb < bv, writer = mine && q < BT;
-    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
-    cluster = g.sync == Sync::kCluster;
-    unit = blk.j0 + j, sample = mine ? slot_sample(jb) : 0;
-    buf = reinterpret_cast<float*>(smem + lay.v);
-    lens = reinterpret_cast<int*>(smem + lay.lens);
+  // Loads lens (shared memory, g.bs entries): readable after finish_setup's __syncthreads.
+  __device__ __forceinline__ Slots(const Geometry& g, const Block& blk, const int64_t* lengths, const int64_t* order_,
+                                   int* lens_)
+      : B(g.B), groups(blk.groups), group(blk.group), bv(0), lens(lens_), order(order_) {
+    while (bv < g.bs && rank(bv) < B) ++bv;
     for (int b = threadIdx.x; b < g.bs; b += kThreads)
-      lens[b] = b < bv ? static_cast<int>(clamp_length(lengths[slot_sample(b)], g.T)) : 0;
+      lens[b] = b < bv ? static_cast<int>(clamp_length(lengths[sample(b)], g.T)) : 0;
   }
-  // Which sample slot b of this block's group holds (b < bv). The samples, longest first (`order`),
-  // are dealt to the groups in snake order: the sample of rank r goes to round (slot) r / groups,
-  // group r % groups in even rounds and groups - 1 - r % groups in odd ones. So every group gets one
-  // of the longest samples and about the same sum of lengths (a step costs roughly a fixed part plus
-  // a part per running sample), and a group's slots hold its samples longest first.
-  __device__ __forceinline__ int slot_rank(int b) const {
-    return b * groups + (b % 2 ? groups - 1 - blk.group : blk.group);
-  }
-  __device__ __forceinline__ int64_t slot_sample(int b) const {
-    const int r = slot_rank(b);
+  __device__ __forceinline__ int rank(int b) const { return b * groups + (b % 2 ? groups - 1 - group : group); }
+  __device__ __forceinline__ int64_t sample(int b) const {  // b < bv
+    const int r = rank(b);
     return order ? order[r] : r;
   }
-  // The slots' lengths, in registers for running() (after finish_setup: other threads load lens).
-  __device__ __forceinline__ void slot_lengths(int (&len)[BT]) const {
+  // The slots' lengths, in registers for running() (after finish_setup).
+  __device__ __forceinline__ void lengths(int (&len)[BT]) const {
 #pragma unroll
     for (int b = 0; b < BT; ++b) len[b] = b < bv ? lens[b] : 0;
   }
@@ -152,6 +127,38 @@ struct FusedThread {
 #pragma unroll
     for (int b = 0; b < BT; ++b) n += len[b] > s;
     return n;
+  }
+};
+
+// What the all-gather fused kernels set up first: where this thread sits (the header comment above),
+// the group's slots, and the block's shared memory: two exchange buffers of BT rows of `row` floats
+// (`buf`, by step parity), the slots' lengths, the mailbox.
+template <int BT>
+struct FusedThread {
+  Block blk;  // its units (j0, hv); the group's samples are the slots, not blk.b0 / bv
+  Slots<BT> slots;
+  int nc, ks, q, j, jb;
+  bool has_unit;   // j is one of the block's units: the lane takes part in the products
+  bool mine;       // and slot jb holds a sample: the lane runs its cell and sends
+  bool writer;     // and the lane writes that (sample, unit)'s outputs
+  bool idle_warp;  // no lane of the warp has a unit
+  bool cluster;
+  int unit;        // j0 + j
+  int64_t sample;  // the sample of slot jb
+  float* buf;
+  Mailbox mbox;
+  __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, const int64_t* order, int row,
+                                         unsigned char* smem)
+      : blk(g),
+        slots(g, blk, lengths, order, reinterpret_cast<int*>(smem + FusedSmem(g, row, BT).lens)),
+        mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
+    nc = g.nc, ks = fused_lanes(g.hs);
+    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
+    has_unit = j < blk.hv, mine = has_unit && jb < slots.bv, writer = mine && q < BT;
+    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
+    cluster = g.sync == Sync::kCluster;
+    unit = blk.j0 + j, sample = mine ? slots.sample(jb) : 0;
+    buf = reinterpret_cast<float*>(smem + FusedSmem(g, row, BT).v);
   }
   // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
   // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   // Buffer 0 = h0; the rest zero (rows past bv and columns past H stay so: nobody sends there).
   for (int e = threadIdx.x; e < 2 * hbuf; e += kThreads) {
     const int b = e % hbuf / Kp, k = e % Kp;
-    h_s[e] = e < hbuf && b < ln.bv && k < H ? a.h0[ln.slot_sample(b) * H + k] : 0.0f;
+    h_s[e] = e < hbuf && b < ln.slots.bv && k < H ? a.h0[ln.slots.sample(b) * H + k] : 0.0f;
   }
   // Rows q * H + unit of W_hh (gate q), chunks ln.q + m * ks of k, zero past H.
   float4 w[G][kFusedChunks];
@@ -217,10 +224,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, ln.lens, g.bs);
-  const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  const int smax = finish_setup(bar, ln.slots.lens, g.bs);
+  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   int slot_len[BT];
-  ln.slot_lengths(slot_len);
+  ln.slots.lengths(slot_len);
   if (ln.cluster && ln.idle_warp) return;
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     const int cur = s & 1;
     // Samples that run this step: only they are multiplied and sent (slot 0 runs every step: each
     // unit's lane q = 0 sends, which the no-barrier argument needs).
-    const int nact = FusedThread<BT>::running(slot_len, s);
+    const int nact = Slots<BT>::running(slot_len, s);
     if (ln.cluster) ln.mbox.expect(cur ^ 1, static_cast<uint32_t>(nact * H * 4));
     float x[G];
 #pragma unroll
@@ -253,10 +260,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
         if (b >= nact) break;
-        const float* p = v + b * Kp;
+        const float* src = v + b * Kp;
 #pragma unroll
-        for (int m = 0; m < kFusedChunks; ++m, p += 4 * ln.ks) {
-          const float4 hv = chunk<decltype(predicated)::value>(p, ln.q + m * ln.ks < k4n);
+        for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks) {
+          const float4 hv = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
 #pragma unroll
           for (int q = 0; q < G; ++q) {
             float& sum = acc[q * BT + b];
@@ -318,6 +325,68 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
 #endif
 }
 
+// The backward of one (sample, unit) at step s, shared by both fused backward kernels.
+// What the step reads, loaded a step ahead (s < len): LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z,
+// n, W_hn h + b_hn, h_{t-1}, dy.
+template <Cell C, int F>
+__device__ __forceinline__ void load_backward_fields(const BackwardArgs& a, int64_t sample, int unit, int len, int s,
+                                                     float (&p)[F]) {
+  const Geometry& g = a.g;
+  const int H = g.H;
+  const int64_t first = sample * g.T, at = first + (g.reverse ? len - 1 - s : s);
+  const int64_t prev = first + (g.reverse ? len - s : s - 1);
+#pragma unroll
+  for (int f = 0; f < 4; ++f) p[f] = __ldg(a.saved + at * 4 * H + f * H + unit);
+  if constexpr (C == Cell::kLSTM) {
+    p[4] = __ldg(a.cs + at * H + unit);
+    p[5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + sample * H + unit);
+  } else {
+    p[4] = s > 0 ? __ldg(a.y + prev * H + unit) : __ldg(a.h0 + sample * H + unit);
+  }
+  p[F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
+}
+// The cell's backward: from dh_t (without dy) and the fields, the recurrent gate gradients rg (LSTM
+// i, f, g, o; GRU r, z, r * dn, the fourth zero), the GRU's input-side n gradient dn, and what enters
+// the step before (dc; the GRU's direct path ddir = z * dh).
+template <Cell C, int F>
+__device__ __forceinline__ void backward_cell(const float (&p)[F], float dh, float& dc, float& ddir, float (&rg)[4],
+                                              float& dn) {
+  const float dht = dh + p[F - 1];
+  if constexpr (C == Cell::kLSTM) {
+    const float ig = p[0], fg = p[1], gg = p[2], og = p[3], ct = p[4], cp = p[5];
+    const float tc = tanhf(ct);
+    const float dct = dc + dht * og * (1.0f - tc * tc);
+    rg[0] = dct * gg * ig * (1.0f - ig);
+    rg[1] = dct * cp * fg * (1.0f - fg);
+    rg[2] = dct * ig * (1.0f - gg * gg);
+    rg[3] = dht * tc * og * (1.0f - og);
+    dc = dct * fg;
+  } else {
+    const float r = p[0], z = p[1], n = p[2], ghn = p[3], hp = p[4];
+    dn = dht * (1.0f - z) * (1.0f - n * n);
+    rg[0] = dn * ghn * r * (1.0f - r);
+    rg[1] = dht * (hp - n) * z * (1.0f - z);
+    rg[2] = dn * r;
+    rg[3] = 0.0f;
+    ddir = dht * z;
+  }
+}
+// The step's gate gradients at (sample, time) row `row`: the GRU's input side n gradient is dn, its
+// recurrent one, r * dn, goes to dgates_hn.
+template <Cell C>
+__device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t row, int unit, const float (&rg)[4],
+                                                 float dn) {
+  const int H = a.g.H, GH = (C == Cell::kLSTM ? 4 : 3) * H;
+  float* dg = a.dgates + row * GH + unit;
+  if constexpr (C == Cell::kLSTM) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) dg[q * H] = rg[q];
+  } else {
+    dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
+    a.dgates_hn[row * H + unit] = rg[2];
+  }
+}
+
 template <Cell C, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -325,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   constexpr int F = backward_fields(C);
   constexpr int NW = 4 * kFusedChunks;
   const Geometry& g = a.g;
-  const int H = g.H, T = g.T, GH = G * H, Kb = 4 * H, k4n = H;
+  const int H = g.H, T = g.T, Kb = 4 * H, k4n = H;
   extern __shared__ __align__(16) unsigned char smem[];
   const FusedThread<BT> ln(g, a.lengths, a.order, Kb, smem);
   const Block& blk = ln.blk;
@@ -354,28 +423,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if constexpr (C == Cell::kLSTM) dc = a.dc_n ? a.dc_n[sample * H + unit] : 0.0f;
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, ln.lens, g.bs);
-  const int len = ln.mine ? ln.lens[ln.jb] : 0;
+  const int smax = finish_setup(bar, ln.slots.lens, g.bs);
+  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   int slot_len[BT];
-  ln.slot_lengths(slot_len);
+  ln.slots.lengths(slot_len);
   if (ln.cluster && ln.idle_warp) return;
 
-  // What step s reads, loaded a step ahead: LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z, n,
-  // W_hn h + b_hn, h_{t-1}, dy.
   float pnext[F];
   auto prefetch = [&](int s) {
-    if (!ln.mine || s < 0 || s >= len) return;
-    const int64_t first = sample * T, at = first + (g.reverse ? len - 1 - s : s);
-    const int64_t prev = first + (g.reverse ? len - s : s - 1);
-#pragma unroll
-    for (int f = 0; f < 4; ++f) pnext[f] = __ldg(a.saved + at * 4 * H + f * H + unit);
-    if constexpr (C == Cell::kLSTM) {
-      pnext[4] = __ldg(a.cs + at * H + unit);
-      pnext[5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + sample * H + unit);
-    } else {
-      pnext[4] = s > 0 ? __ldg(a.y + prev * H + unit) : __ldg(a.h0 + sample * H + unit);
-    }
-    pnext[F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
+    if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
   };
   prefetch(smax - 1);
   const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range
@@ -385,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     // Samples that run this step (they send; slot 0 runs every step, as in the forward), and those
     // that ran the step after (their gate gradients are the products'; the others' dh is dh_last).
     // A sample's rows in the buffers stay zero until its last step (it sends from there on).
-    const int nact = FusedThread<BT>::running(slot_len, s), nafter = FusedThread<BT>::running(slot_len, s + 1);
+    const int nact = Slots<BT>::running(slot_len, s), nafter = Slots<BT>::running(slot_len, s + 1);
     if (ln.cluster && s >= 0) ln.mbox.expect(cur, static_cast<uint32_t>(nact * Kb * 4));
     float p[F];
 #pragma unroll
@@ -402,13 +458,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
         if (b >= nafter) break;
-        const float* p = v + b * Kb;
+        const float* src = v + b * Kb;
 #pragma unroll
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
           if (kPredicated && m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
 #pragma unroll
-          for (int m = m0; m < m0 + kFusedChunks; ++m, p += 4 * ln.ks) {
-            const float4 gv = chunk<kPredicated>(p, ln.q + m * ln.ks < k4n);
+          for (int m = m0; m < m0 + kFusedChunks; ++m, src += 4 * ln.ks) {
+            const float4 gv = chunk<kPredicated>(src, ln.q + m * ln.ks < k4n);
             acc[b] = fmaf(w[m].x, gv.x, acc[b]);
             acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
             acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
@@ -443,38 +499,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #pragma unroll
     for (int q = 0; q < 4; ++q) rg[q] = 0.0f;
     if (live) {
-      const float dht = dh + p[F - 1];
-      if constexpr (C == Cell::kLSTM) {
-        const float ig = p[0], fg = p[1], gg = p[2], og = p[3], ct = p[4], cp = p[5];
-        const float tc = tanhf(ct);
-        const float dct = dc + dht * og * (1.0f - tc * tc);
-        rg[0] = dct * gg * ig * (1.0f - ig);
-        rg[1] = dct * cp * fg * (1.0f - fg);
-        rg[2] = dct * ig * (1.0f - gg * gg);
-        rg[3] = dht * tc * og * (1.0f - og);
-        dc = dct * fg;
-      } else {
-        const float r = p[0], z = p[1], n = p[2], ghn = p[3], hp = p[4];
-        dn = dht * (1.0f - z) * (1.0f - n * n);
-        rg[0] = dn * ghn * r * (1.0f - r);
-        rg[1] = dht * (hp - n) * z * (1.0f - z);
-        rg[2] = dn * r;
-        ddir = dht * z;
-      }
+      backward_cell<C>(p, dh, dc, ddir, rg, dn);
+      ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     }
-    if (live) ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     VLSEQ_MARK(1, 2, s);
-    if (ln.writer && live) {
-      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
-      float* dg = a.dgates + row * GH + unit;
-      if constexpr (C == Cell::kLSTM) {
-#pragma unroll
-        for (int q = 0; q < G; ++q) dg[q * H] = rg[q];
-      } else {  // the input side's n gradient is dn; the recurrent one, r * dn, goes to dgates_hn
-        dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
-        a.dgates_hn[row * H + unit] = rg[2];
-      }
-    }
+    if (ln.writer && live) store_gate_grads<C>(a, sample * T + (g.reverse ? len - 1 - s : s), unit, rg, dn);
     prefetch(s - 1);
     VLSEQ_MARK(1, 3, s);
     if (ln.cluster)

@@ -197,11 +197,32 @@ struct FusedSmem {
   }
 };
 
+// The fused backward with a reduce-scatter (rnn_scatter_kernel.cuh): where it applies (fp32), and its
+// shared memory: the received partial dh (two parities x nc source blocks x bt samples x hs units),
+// the step's gate gradients (bt x hs float4s), the partials per unit group (bt x hs / 4 x Kp / 4
+// float4s), the lengths, the mailbox.
+__host__ __device__ inline bool fits_scatter(int H, int hs, int bs, int bt) {
+  return hs % 4 == 0 && (hs / 4) * (round_up(H, 4) / 4) <= kThreads && bt * hs <= kThreads && bs <= bt;
+}
+struct ScatterSmem {
+  int recv, g, red, lens, bars, total;
+  __host__ __device__ ScatterSmem(const Geometry& geo, int bt) {
+    int off = 0;
+    recv = off, off += 2 * geo.nc * bt * geo.hs * 4;
+    g = off, off += bt * geo.hs * 16;
+    red = off, off += bt * (geo.hs / 4) * (round_up(geo.H, 4) / 4) * 16;
+    lens = off, off += round_up(geo.bs * 4, 16);
+    bars = off, off += 16;
+    total = off;
+  }
+};
+
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
 // (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `fused`: the fused
 // kernel (fp32; fits_fused says when it applies), else the generic one.
 const void* forward_kernel(Cell c, Weights w, int bt, bool fused);
 const void* backward_kernel(Cell c, Weights w, int bt, bool fused);
+const void* backward_scatter_kernel(Cell c, int bt);  // rnn_backward_scatter.cu (fp32)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
