@@ -111,9 +111,9 @@ def test_wide_two_layer_one_sample_480_steps(rand, cls):
                                                   (nn.LSTM, 100, False)])
 def test_one_sample_layers_run_fused(rand, cls, H, bidirectional):
     """One fp32 sample per cluster: the fused kernels (W_hh in registers, the cell in the product
-    lanes), H = 100 with a last block of fewer units (and warps with none)."""
+    lanes; the backward's all-gather), H = 100 with a last block of fewer units (and warps with none)."""
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, 1, "fp32", DEV)
-    assert "fused cell and W_hh in registers (forward and backward)" in plan, plan
+    assert "fused cell and W_hh in registers (forward and backward)" in plan and "reduce-scatter" not in plan, plan
     compare(rand, cls, 36, H, bidirectional=bidirectional, lengths=(rand.py.randint(1, 300),))
 
 
@@ -129,12 +129,12 @@ def test_several_samples_per_block_run_fused(rand, cls):
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
-    """13 samples on the fused kernels with several per block: the kernels deal them out longest
-    first (a last round that reaches only some groups) and multiply and send only the samples still
-    running, so the lengths tie, end at 1, and differ within every group."""
+    """13 samples on the fused kernels with several per block, the backward by reduce-scatter: the
+    kernels deal them out longest first (a last round that reaches only some groups) and multiply and
+    send only the samples still running, so the lengths tie, end at 1, and differ within every group."""
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV)
-    assert "fused cell and W_hh in registers (forward and backward)" in plan and " 1 samples per block" not in plan, \
-        plan
+    assert "fused cell and W_hh in registers (forward and backward), the backward by reduce-scatter" in plan \
+        and " 1 samples per block" not in plan, plan
     compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
 
 
@@ -333,6 +333,34 @@ def test_bf16_autocast_tolerance(rand):
     want_out = pad_packed_sequence(want[0], batch_first=True, total_length=x.shape[1])[0]
     err = ((out.double() - want_out).norm() / want_out.norm()).item()
     assert err < 3e-2, err
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_op_single_block_reduce_scatter_against_the_cpu_op(rand, cell):
+    """Four samples per block on one block per group (hidden 64, 16 samples on 4 SMs): the
+    reduce-scatter backward's single-block path, lengths that tie, end at 1 and at 0, the GRU in
+    reverse; every output of both ops against the CPU kernels."""
+    B, T, H, G = 16, 40, 64, 4 if cell == "lstm" else 3
+    plan = ops.rnn_plan(cell, H, B, "fp32", DEV, max_blocks=4)
+    assert plan.startswith("local") and "reduce-scatter" in plan, plan
+    reverse = cell == "gru"
+    lens = torch.tensor([40, 1, 17, 17, 0, 40, 3, 25, 1, 9, 33, 17, 2, 40, 12, 6])
+    xp = rand.randn(B, T, G * H)
+    w, b = rand.randn(G * H, H, scale=0.2), rand.randn(G * H, scale=0.1)
+    h0 = rand.randn(B, H)
+    c0 = rand.randn(B, H) if cell == "lstm" else None
+    dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)
+    dc_n = rand.randn(B, H) if cell == "lstm" else None
+    outs = {}
+    for dev in ("cpu", DEV):
+        on = [None if t is None else t.to(dev) for t in (xp, w, b, h0, c0, lens, dy, dh_n, dc_n)]
+        y, h_n, c_n, saved, cs = ops.rnn_forward(cell, *on[:6], reverse, "fp32", max_blocks=4)
+        grads = ops.rnn_backward(cell, on[1], y, saved, cs, on[3], on[4], on[5], *on[6:], reverse, "fp32",
+                                 max_blocks=4)
+        outs[dev] = [t.cpu() for t in (y, h_n, c_n, *grads) if t.numel()]
+    for i, (got, want) in enumerate(zip(outs[DEV], outs["cpu"])):
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err <= 1e-5, f"output {i}: relative error {err:.3g}"
 
 
 def test_op_lengths_zero_and_beyond_are_clamped(rand):

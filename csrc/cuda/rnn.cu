@@ -69,12 +69,15 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
   return per_sm * p.multiProcessorCount / nc;
 }
 
+// Which kernel runs a direction: the backward has a third, the fused one with a reduce-scatter.
+enum class Kernel { kGeneric, kFused, kScatter };
+
 // Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
 // timings of benchmarks/probe/step_timing.cu on an H200 (hidden 64-256, LSTM and GRU, 1-16 blocks,
-// 1-8 samples per block; BENCHMARKS.md, seventh session, run 2), within about 20%. The fused steps
-// measured 5-35% below it since (run 3: loads without a branch per chunk); refitting them would send
-// fp32 LSTM 256 at batch 32 to an unmeasured 8-block layout by a 2% margin, so the constants stay
-// those whose choices the bench measured (run 3).
+// 1-8 samples per block): the generic kernels and the fused forward to the seventh session's run 2
+// (the fused forward measures 5-35% below it since; refitting it alone would send fp32 LSTM 256 at
+// batch 32 to an unmeasured 8-block layout by a 2% margin, so it stays as the bench measured it), the
+// fused backwards to the eighth session's run 3, within about 12%.
 //   generic   products from shared memory: ~850 + 0.58 per 128 B of W read per batch tile + 3.2 per
 //             FMA-clock (the block's FMAs over 128 lanes, samples padded to the tile, counted as an
 //             LSTM's: the GRU's three gates take as long as four); the cell, output stores and next
@@ -82,27 +85,27 @@ int resident_groups(const void* kernel, Sync sync, int nc, int64_t smem, const c
 //             each of nc blocks); the backward's delivery of H * bs partial sums by single-float
 //             stores, ~2.2 clocks each past the first sample's;
 //   fused     forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h and the
-//             block's single-float sends (~1 clock each) and ~150 of cell; backward ~1,400 plus, per
-//             sample, twice its FMA-clocks, each warp's reads of the 4 * H gate gradients and the
-//             block's float4 sends (single blocks: another ~500); a cluster's wait for its peers,
-//             ~300 more per step than a single block's __syncthreads (measured 450-550 against
-//             210-270).
-double direction_clocks(bool backward, bool fused, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
-                        int wbytes, bool scatter = false) {
+//             block's single-float sends (~1 clock each) and ~150 of cell; backward (all-gather)
+//             ~720 plus, per sample, twice its FMA-clocks, each warp's reads of the 4 * H gate
+//             gradients and the block's float4 sends (single blocks: another ~500); a cluster's wait
+//             for its peers, ~300 more per step than a single block's __syncthreads;
+//   scatter   backward (reduce-scatter) ~1,900 plus, per sample, twice its FMA-clocks, a float4
+//             send per 4 units and ~80: slower than the all-gather at one sample (its two
+//             __syncthreads and the sums of the partials are on every step's path), up to 45%
+//             faster at eight.
+double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
+                        int wbytes) {
   const bool cluster = sync == Sync::kCluster;
-  const double R = G * hs, K = round_up(H, 4);
-  if (scatter) {  // not yet fitted: its FMA-clocks, a send per 4 units and ~100 of cell per sample
-    const double wait = cluster ? 300.0 : 0.0;
-    return 1500.0 + wait + bs * (4.0 * hs * K / 128.0 + K / 4.0 + 100.0);
-  }
-  if (fused) {
+  const double R = G * hs, K = round_up(H, 4), fma = 4.0 * hs * K / 128.0;
+  if (kernel == Kernel::kScatter) return 1900.0 + bs * (2.0 * fma + K / 4.0 + 80.0);
+  if (kernel == Kernel::kFused) {
     const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
     if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
     const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0 + sends;
-    return 1400.0 + wait + bs * (2.0 * per_sample + (cluster ? 0.0 : 500.0));
+    return 720.0 + wait + bs * (2.0 * per_sample + (cluster ? 0.0 : 500.0));
   }
-  const double fma = 4.0 * hs * K * round_up(bs, bt) / 128.0, wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
-  const double products = 850.0 + 0.58 * wread + 3.16 * fma, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
+  const double fmas = fma * round_up(bs, bt), wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
+  const double products = 850.0 + 0.58 * wread + 3.16 * fmas, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
   const double exchange = cluster ? 850.0 + 0.12 * bs * hs * nc : 300.0 + 150.0 * bs;
   const double forward = products + cell + exchange;
   return backward ? forward + 400.0 + 2.2 * H * (bs - 1) : forward;
@@ -163,9 +166,11 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
       // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
       const bool within = sms == p.multiProcessorCount || groups <= resident;
       if (resident <= 0 || !within) continue;
+      const Kernel fwd_kernel = ff ? Kernel::kFused : Kernel::kGeneric;
+      const Kernel bwd_kernel = sb ? Kernel::kScatter : fb ? Kernel::kFused : Kernel::kGeneric;
       const double clocks =
-          ceil_div(groups, resident) * (direction_clocks(false, ff, sync, G, hs, H, bs, bt, nc, wbytes) +
-                                        direction_clocks(true, fb, sync, G, hs, H, bs, bt, nc, wbytes, sb));
+          ceil_div(groups, resident) * (direction_clocks(false, fwd_kernel, sync, G, hs, H, bs, bt, nc, wbytes) +
+                                        direction_clocks(true, bwd_kernel, sync, G, hs, H, bs, bt, nc, wbytes));
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
         best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, sb, fwd, bwd};
