@@ -60,9 +60,12 @@ def _recurrence(cell: str, precision: str, reverse: bool, max_blocks: int, x: Te
     """One layer and direction over x (B, T, D): the input projection of every step (one GEMM), then
     the recurrence (ops.rnn_forward): (y, h_n, c_n, saved, cs)."""
     B, T, D = x.shape
-    xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
-    if b_ih is not None:
-        xproj = xproj + b_ih
+    if b_ih is not None and precision == "fp32":  # the bias in the GEMM's epilogue, not another pass
+        xproj = torch.addmm(b_ih, x.reshape(B * T, D), w_ih.t())
+    else:
+        xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
+        if b_ih is not None:
+            xproj = xproj + b_ih
     return ops.rnn_forward(cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(), _contiguous(b_hh),
                            h0.contiguous(), _contiguous(c0), lengths, reverse, precision, max_blocks)
 
@@ -92,8 +95,8 @@ def _weight_grads(cell: str, precision: str, dgates: Tensor, dgates_hn: Optional
         dgh = dgx if cell == "lstm" else torch.cat([dgates[..., :2 * H], dgates_hn], dim=-1).view(B * T, -1)
         if need[1]:
             dw_hh = _gemm(dgh.t(), _previous_states(y, h0, lengths, reverse).view(B * T, H), precision)
-        if need[3]:
-            db_hh = dgh.sum(0)
+        if need[3]:  # an LSTM's two biases add to the same gates: one sum (a pass over B * T rows)
+            db_hh = db_ih.clone() if cell == "lstm" and db_ih is not None else dgh.sum(0)
     return [dw_ih, dw_hh, db_ih, db_hh]
 
 
