@@ -1,15 +1,17 @@
-// Host side of the persistent recurrent kernels (rnn_kernels.cuh, rnn_fused_kernels.cuh): the layout
-// of a layer on the GPU (plan_layer), the launches, and the outputs.
+// Host side of the persistent recurrent kernels (rnn_kernels.cuh, rnn_fused_kernels.cuh,
+// rnn_scatter_kernel.cuh): the layout of a layer on the GPU (plan_layer), the launches, and the
+// outputs.
 //
 // Layout choice: W_hh (G*H x H) is split over nc blocks by hidden unit. Thread-block clusters of
 // nc <= 16 hold it when it fits (fp32: H up to about 440 for an LSTM), and then each cluster
 // runs bs samples with no coordination with other clusters: many samples, or many one-sample
 // calls on other streams, run side by side. Where a block's share of W_hh fits in registers and its
-// samples in one batch tile (fp32, fits_fused), the fused kernels run it. Bigger layers spread over
-// up to one block per SM and synchronise through global memory (kGrid, launched cooperatively). The
-// choice minimises a cost model of one step (products, cell, exchange and barrier, in clocks) times
-// the number of waves of groups that do not fit on the GPU at once; BENCHMARKS.md has what it picks
-// and what that measures.
+// samples in one batch tile (fp32, fits_fused), the fused kernels run it; the backward may instead
+// be the fused one with a reduce-scatter (fits_scatter), faster from two samples per block on.
+// Bigger layers spread over up to one block per SM and synchronise through global memory (kGrid,
+// launched cooperatively). The choice minimises a cost model of one step (products, cell, exchange
+// and barrier, in clocks) times the number of waves of groups that do not fit on the GPU at once;
+// BENCHMARKS.md has what it picks and what that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
