@@ -3,6 +3,7 @@ checks the CRC-32s of the zip archive torch.save writes, so read_checkpoint does
 (read_checkpoint, load_model, vlseq-predict, vlseq-train --resume) stops with one line naming the
 file and the damaged member. Undamaged checkpoints, and archives written without CRCs, still load."""
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -147,6 +148,30 @@ def test_truncated_checkpoint_keeps_its_message(trained, tmp_path):
     path.write_bytes(raw[:len(raw) // 2])
     with pytest.raises(CheckpointError, match=f"{path}: truncated or corrupt \\({len(raw) // 2} bytes\\): "):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize("start", [b"", b"\x80\x54", b"\x80\x02\x8a\x0a", b"\x80\x54" + checkpoint._LEGACY_MAGIC],
+                         ids=["random", "pickle-protocol-84", "pickle-long1", "legacy-magic-unknown-protocol"])
+def test_junk_is_one_error_and_no_warning(rand, tmp_path, start):
+    """Bytes that are no checkpoint, whatever they start with (a pickle's first opcode, a protocol torch
+    does not know, even torch's legacy magic number): one CheckpointError, and none of torch's warnings
+    about the file beside it (a second line of vlseq-predict's output)."""
+    path = tmp_path / "junk.pt"
+    path.write_bytes(start + rand.py.randbytes(3000))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=f"{path}: (truncated or corrupt|not a vlseq checkpoint)"):
+            read_checkpoint(path)
+    assert not caught, [str(w.message) for w in caught]
+
+
+def test_a_checkpoint_in_torchs_legacy_format_still_loads(trained, tmp_path):
+    """torch.save's legacy (non-zip) format with its default pickle protocol passes the header check
+    (torch.load(weights_only=True) itself reads no other protocol of that format)."""
+    state = torch.load(trained / "run" / "last.pt", weights_only=True)
+    path = tmp_path / "legacy.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(read_checkpoint(path)["model"]["fc.weight"], state["model"]["fc.weight"])
 
 
 def _central_entry(raw: bytes, member: str) -> int:

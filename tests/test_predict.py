@@ -193,10 +193,10 @@ def test_entry_points(trained, tmp_path):
     assert 'vlseq-predict = "vlseq_ext.cli.predict:main"' in scripts
 
 
-def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
+def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys, rand):
     root, _, _ = trained
     (tmp_path / "afile").write_text("x")
-    (tmp_path / "junk.pt").write_bytes(os.urandom(3000))
+    (tmp_path / "junk.pt").write_bytes(rand.py.randbytes(3000))  # may start like a pickle (1 in 256)
     data.save_ragged(tmp_path / "three.npz", sequences(4, 3, 5))
     data.save_ragged(tmp_path / "nan.npz", [np.full((3, 5), np.nan, np.float32)])
     (tmp_path / "d.npy").mkdir()

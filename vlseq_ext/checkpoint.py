@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -138,6 +139,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 _CRC_CHUNK = 16 << 20  # bytes per read while checking a member: bounded extra memory for any size
+# torch.save's legacy (non-zip) format opens with its magic number, pickled as a 10-byte LONG1 right
+# after the protocol (and, from protocol 4 on, a frame header): any other file that starts with a
+# pickle's first byte is not a torch checkpoint.
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
 def _check_crcs(raw: bytes, found: Path) -> bool:
@@ -199,21 +204,28 @@ def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cp
     if size == 0:
         raise CheckpointError(f"{found}: truncated or corrupt: the file is empty (0 bytes)")
     head = raw[:4]
-    if head[:4] != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save writes a zip archive (a pickle long ago)
+    # torch.save writes a zip archive (its legacy format, a pickle with a magic number, long ago)
+    if head != b"PK\x03\x04" and not (head[:1] == b"\x80" and _LEGACY_MAGIC in raw[:32]):
         raise CheckpointError(f"{found}: truncated or corrupt, or another kind of file: {size} bytes without the zip "
                               "(or pickle) header of a torch checkpoint")
     # A checked archive loads from the bytes in memory; anything else (a truncated archive, an old
     # pickle) from the path, as before, so its errors read as they always did.
     checked = head == b"PK\x03\x04" and _check_crcs(raw, found)
-    try:
-        ckpt = torch.load(io.BytesIO(raw) if checked else found, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
-            raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds Python objects that vlseq checkpoints "
-                                  "never contain (refused by torch.load(weights_only=True))") from None
-        raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
-    except Exception as exc:  # RuntimeError (zip reader), EOFError, OSError [Errno 22], ValueError...
-        raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
+    # torch's warnings about a file it then refuses (an unknown pickle protocol, say) would be a second
+    # line beside the one error that says what is wrong: kept only when the load succeeds.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ckpt = torch.load(io.BytesIO(raw) if checked else found, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+                raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds Python objects that vlseq "
+                                      "checkpoints never contain (refused by torch.load(weights_only=True))") from None
+            raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
+        except Exception as exc:  # RuntimeError (zip reader), EOFError, OSError [Errno 22], ValueError...
+            raise CheckpointError(f"{found}: truncated or corrupt ({size} bytes): {_first_line(exc)}") from None
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{found}: not a vlseq checkpoint: it holds a {type(ckpt).__name__}, not the dict "
                               "that vlseq-train writes")
