@@ -115,6 +115,26 @@ def test_autograd_matches_float64_samples_alone(rand, cls, layers, bidirectional
         assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_recurrent_weight_grad_puts_h0_at_each_samples_first_step(rand, reverse):
+    """dW_hh from one GEMM over the outputs shifted a row: every sample's first step (in its direction)
+    reads h0, not the neighbouring sample's row, whether that sample is full length, one step, or empty."""
+    lengths = [5, 0, 1, 3, 5]
+    B, T, H, G = len(lengths), 5, 3, 12
+    valid = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).unsqueeze(-1)
+    y = rand.randn(B, T, H) * valid
+    dg = rand.randn(B, T, G) * valid
+    h0 = rand.randn(B, H)
+    want = torch.zeros(G, H, dtype=torch.float64)
+    for b, L in enumerate(lengths):
+        for t in range(L):
+            first = t == (L - 1 if reverse else 0)
+            prev = h0[b] if first else y[b, t + 1 if reverse else t - 1]
+            want += torch.outer(dg[b, t].double(), prev.double())
+    got = F._recurrent_weight_grad(dg.view(B * T, G), y, h0, torch.tensor(lengths), reverse, "fp32")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_argument_checks_name_the_problem(rand):
     a = op_inputs(rand, "lstm", 2, 3, 4, [3, 2])
     call = lambda **kw: ops.rnn_forward("lstm", **{**a, **kw})  # noqa: E731

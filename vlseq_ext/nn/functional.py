@@ -39,16 +39,31 @@ def _gemm(a: Tensor, b: Tensor, precision: str) -> Tensor:
     return a @ b
 
 
-def _previous_states(y: Tensor, h0: Tensor, lengths: Tensor, reverse: bool) -> Tensor:
-    """h_{t-1} at every step (B, T, H): the state each step's W_hh products read. Forward: y shifted
-    one step later, h0 first. Reverse: y shifted one step earlier, h0 at each sample's last step.
-    Padded steps get finite values; their gate gradients are zero."""
+def _recurrent_weight_grad(dgh: Tensor, y: Tensor, h0: Tensor, lengths: Optional[Tensor], reverse: bool,
+                           precision: str) -> Tensor:
+    """dW_hh = sum over every sample and step of dgh_t^T h_{t-1}: dgh (B * T, G) the gradients of the
+    gates that W_hh multiplies, y (B, T, H) the layer's outputs (zero at padded steps), h0 (B, H).
+
+    h_{t-1} is the output one row before (forward; reverse: one row after), so one GEMM of dgh against
+    the flat outputs shifted by one row, with no copy, covers every step but each sample's first (in
+    its direction). There the shifted row is the neighbouring sample's output (or a padded zero), not
+    h0: a GEMM over those B rows puts h0 in its place. Padded rows carry zero gate gradients."""
     B, T, H = y.shape
+    flat = y.reshape(B * T, H)
+    first = torch.arange(B, device=y.device) * T
     if not reverse:
-        return torch.cat([h0.unsqueeze(1), y[:, :-1]], dim=1)
-    prev = torch.cat([y[:, 1:], y.new_zeros(B, 1, H)], dim=1)
-    last = (torch.arange(T, device=y.device).unsqueeze(0) == (lengths - 1).unsqueeze(1)).unsqueeze(-1)
-    return torch.where(last, h0.unsqueeze(1), prev)
+        dw = _gemm(dgh[1:].t(), flat[:-1], precision)
+        edge = first  # step 0: read flat[first - 1] (the sample before's last row), wants h0
+        wrong = torch.cat([flat.new_zeros(1, H), flat[first[1:] - 1]])
+        dg_edge = dgh[edge]
+    else:
+        dw = _gemm(dgh[:-1].t(), flat[1:], precision)
+        lens = lengths.clamp(0, T)  # the last step, len - 1, read flat[first + len], wants h0
+        edge = first + lens - 1
+        after = first + lens
+        wrong = torch.where((after < B * T).unsqueeze(1), flat[after.clamp(max=B * T - 1)], 0.0)
+        dg_edge = torch.where((lens > 0).unsqueeze(1), dgh[edge.clamp(min=0)], 0.0)
+    return dw.addmm_(dg_edge.t(), h0 - wrong)
 
 
 def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -94,7 +109,7 @@ def _weight_grads(cell: str, precision: str, dgates: Tensor, dgates_hn: Optional
     if need[1] or need[3]:
         dgh = dgx if cell == "lstm" else torch.cat([dgates[..., :2 * H], dgates_hn], dim=-1).view(B * T, -1)
         if need[1]:
-            dw_hh = _gemm(dgh.t(), _previous_states(y, h0, lengths, reverse).view(B * T, H), precision)
+            dw_hh = _recurrent_weight_grad(dgh, y, h0, lengths, reverse, precision)
         if need[3]:  # an LSTM's two biases add to the same gates: one sum (a pass over B * T rows)
             db_hh = db_ih.clone() if cell == "lstm" and db_ih is not None else dgh.sum(0)
     return [dw_ih, dw_hh, db_ih, db_hh]
