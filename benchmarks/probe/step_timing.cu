@@ -1,8 +1,9 @@
 // Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
-// Usage: step_timing H B nc [lstm|gru] [fp32|bf16]   (default LSTM, fp32; 480 steps, one group of B
-// samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the reduce-scatter
-// backward where they fit)
+// Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups]   (default LSTM, fp32, 1 group; 480 steps,
+// each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
+// reduce-scatter backward where they fit). Several groups make the batch's tensors outgrow L2, as in
+// the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32).
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
@@ -75,19 +76,22 @@ int main(int argc, char** argv) {
   const int H = argc > 1 ? atoi(argv[1]) : 256, B = argc > 2 ? atoi(argv[2]) : 1, nc = argc > 3 ? atoi(argv[3]) : 16;
   const bool lstm = !(argc > 4 && strcmp(argv[4], "gru") == 0);
   const bool bf16 = argc > 5 && strcmp(argv[5], "bf16") == 0;
+  const int groups = argc > 6 ? atoi(argv[6]) : 1, Bt = B * groups;
   const Cell cell = lstm ? Cell::kLSTM : Cell::kGRU;
   const Weights wt = bf16 ? Weights::kBF16 : Weights::kFP32;
   const int T = 480, G = lstm ? 4 : 3, hs = (H + nc - 1) / nc, wbytes = bf16 ? 2 : 4;
-  printf("%s H=%d B=%d T=%d %s, %d blocks per group\n", lstm ? "LSTM" : "GRU", H, B, T, bf16 ? "bf16" : "fp32", nc);
-  Geometry g{B, T, H, nc, hs, B, B, nc > 1 ? Sync::kCluster : Sync::kLocal, 0};
-  std::vector<int64_t> lens(B, T);
+  printf("%s H=%d B=%d T=%d %s, %d blocks per group, %d groups\n", lstm ? "LSTM" : "GRU", H, B, T, bf16 ? "bf16" : "fp32",
+         nc, groups);
+  Geometry g{Bt, T, H, nc, hs, B, B, nc > 1 ? Sync::kCluster : Sync::kLocal, 0};
+  const int blocks = nc * groups;
+  std::vector<int64_t> lens(Bt, T);
   int64_t* dlens;
-  cudaMalloc(&dlens, B * 8);
-  cudaMemcpy(dlens, lens.data(), B * 8, cudaMemcpyHostToDevice);
-  float *xp = upload((size_t)B * T * G * H, 1), *w = upload((size_t)G * H * H, 0.06f), *bias = upload(G * H, 0.1f);
-  float *h0 = upload(B * H, 0.5f), *c0 = upload(B * H, 0.5f);
-  float *y = upload((size_t)B * T * H, 0), *hn = upload(B * H, 0), *cn = upload(B * H, 0);
-  float *saved = upload((size_t)B * T * 4 * H, 0), *cs = upload((size_t)B * T * H, 0);
+  cudaMalloc(&dlens, Bt * 8);
+  cudaMemcpy(dlens, lens.data(), Bt * 8, cudaMemcpyHostToDevice);
+  float *xp = upload((size_t)Bt * T * G * H, 1), *w = upload((size_t)G * H * H, 0.06f), *bias = upload(G * H, 0.1f);
+  float *h0 = upload(Bt * H, 0.5f), *c0 = upload(Bt * H, 0.5f);
+  float *y = upload((size_t)Bt * T * H, 0), *hn = upload(Bt * H, 0), *cn = upload(Bt * H, 0);
+  float *saved = upload((size_t)Bt * T * 4 * H, 0), *cs = upload((size_t)Bt * T * H, 0);
   const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
   ForwardArgs fa{g, xp, w, bias, h0, lstm ? c0 : nullptr, dlens, nullptr, y, hn, lstm ? cn : nullptr, saved,
                  lstm ? cs : nullptr, nullptr, nullptr};
@@ -99,24 +103,24 @@ int main(int argc, char** argv) {
   for (bool f : {false, true}) {
     if (f && !fused) continue;
     if (f) printf(" fused:\n");
-    launch(forward_kernel(cell, wt, bt, f), fa, nc, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
+    launch(forward_kernel(cell, wt, bt, f), fa, blocks, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
     report(0, f ? 4 : 7, T, f ? fused_names : fnames);
   }
-  float *dy = upload((size_t)B * T * H, 1), *dgates = upload((size_t)B * T * G * H, 0);
-  float *dh0 = upload(B * H, 0), *dc0 = upload(B * H, 0), *dghn = upload((size_t)B * T * H, 0);
+  float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
+  float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);
   BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, nullptr, dy, nullptr, nullptr, dgates,
                   lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, nullptr, nullptr};
   for (bool f : {false, true}) {
     if (f && !fused) continue;
     if (f) printf(" fused:\n");
-    launch(backward_kernel(cell, wt, bt, f), ba, nc, nc,
+    launch(backward_kernel(cell, wt, bt, f), ba, blocks, nc,
            f ? FusedSmem(g, Kb, bt).total : BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
     report(1, f ? 4 : 6, T, f ? fused_names : bnames);
   }
   if (!bf16 && fits_scatter(H, hs, B, bt)) {
     static const char* scatter_names[] = {"cell+sync", "products+sync", "sums+send", "wait"};
     printf(" reduce-scatter:\n");
-    launch(backward_scatter_kernel(cell, bt), ba, nc, nc, ScatterSmem(g, bt).total);
+    launch(backward_scatter_kernel(cell, bt), ba, blocks, nc, ScatterSmem(g, bt).total);
     report(1, 4, T, scatter_names);
   }
   return 0;

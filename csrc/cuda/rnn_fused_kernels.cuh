@@ -103,7 +103,7 @@ struct Slots {
   int bv;     // the group's samples (slots 0 .. bv-1)
   int* lens;  // lens[b]: the length of slot b's sample (0 past bv), in non-increasing order
   const int64_t* order;
-  // Loads lens (shared memory, g.bs entries): readable after finish_setup's __syncthreads.
+  // Loads lens (shared memory, g.bs entries): readable after finish().
   __device__ __forceinline__ Slots(const Geometry& g, const Block& blk, const int64_t* lengths, const int64_t* order_,
                                    int* lens_)
       : B(g.B), groups(blk.groups), group(blk.group), bv(0), lens(lens_), order(order_) {
@@ -116,10 +116,13 @@ struct Slots {
     const int r = rank(b);
     return order ? order[r] : r;
   }
-  // The slots' lengths, in registers for running() (after finish_setup).
-  __device__ __forceinline__ void lengths(int (&len)[BT]) const {
+  // Ends the set-up (finish_setup: lens readable, the group's blocks started) and copies the slots'
+  // lengths into registers for running(); returns the group's longest length.
+  __device__ __forceinline__ int finish(GroupBarrier& bar, int bs, int (&len)[BT]) const {
+    const int smax = finish_setup(bar, lens, bs);
 #pragma unroll
     for (int b = 0; b < BT; ++b) len[b] = b < bv ? lens[b] : 0;
+    return smax;
   }
   // Slots whose sample runs step s (length > s): a prefix of them, as their lengths do not increase.
   __device__ __forceinline__ static int running(const int (&len)[BT], int s) {
@@ -224,20 +227,22 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, ln.slots.lens, g.bs);
-  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   int slot_len[BT];
-  ln.slots.lengths(slot_len);
+  const int smax = ln.slots.finish(bar, g.bs, slot_len);
+  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   if (ln.cluster && ln.idle_warp) return;
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
   const float* xrow = a.xproj + (sample * T) * GH + unit;
   float xnext[G];
+  auto time_of = [&](int s) -> int64_t { return g.reverse ? len - 1 - s : s; };
   auto prefetch = [&](int s) {
     if (!ln.mine || s >= len) return;
-    const int64_t t = g.reverse ? len - 1 - s : s;
 #pragma unroll
-    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + t * GH + q * H);
+    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + time_of(s) * GH + q * H);
+    if (ln.writer && s + 1 < len)
+#pragma unroll
+      for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
   };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
@@ -328,22 +333,32 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
 // The backward of one (sample, unit) at step s, shared by both fused backward kernels.
 // What the step reads, loaded a step ahead (s < len): LSTM i, f, g, o, c_t, c_{t-1}, dy; GRU r, z,
 // n, W_hn h + b_hn, h_{t-1}, dy.
-template <Cell C, int F>
+// kL2: only asks L2 for those fields (prefetch_l2), for the step after next.
+template <Cell C, int F, bool kL2 = false>
 __device__ __forceinline__ void load_backward_fields(const BackwardArgs& a, int64_t sample, int unit, int len, int s,
                                                      float (&p)[F]) {
   const Geometry& g = a.g;
   const int H = g.H;
   const int64_t first = sample * g.T, at = first + (g.reverse ? len - 1 - s : s);
   const int64_t prev = first + (g.reverse ? len - s : s - 1);
+  auto load = [](float& v, const float* ptr) {
+    if constexpr (kL2)
+      prefetch_l2(ptr);
+    else
+      v = __ldg(ptr);
+  };
 #pragma unroll
-  for (int f = 0; f < 4; ++f) p[f] = __ldg(a.saved + at * 4 * H + f * H + unit);
+  for (int f = 0; f < 4; ++f) load(p[f], a.saved + at * 4 * H + f * H + unit);
   if constexpr (C == Cell::kLSTM) {
-    p[4] = __ldg(a.cs + at * H + unit);
-    p[5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + sample * H + unit);
+    load(p[4], a.cs + at * H + unit);
+    load(p[5], s > 0 ? a.cs + prev * H + unit : a.c0 + sample * H + unit);
   } else {
-    p[4] = s > 0 ? __ldg(a.y + prev * H + unit) : __ldg(a.h0 + sample * H + unit);
+    load(p[4], s > 0 ? a.y + prev * H + unit : a.h0 + sample * H + unit);
   }
-  p[F - 1] = a.dy ? __ldg(a.dy + at * H + unit) : 0.0f;
+  if (a.dy)
+    load(p[F - 1], a.dy + at * H + unit);
+  else if constexpr (!kL2)
+    p[F - 1] = 0.0f;
 }
 // The cell's backward: from dh_t (without dy) and the fields, the recurrent gate gradients rg (LSTM
 // i, f, g, o; GRU r, z, r * dn, the fourth zero), the GRU's input-side n gradient dn, and what enters
@@ -423,15 +438,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if constexpr (C == Cell::kLSTM) dc = a.dc_n ? a.dc_n[sample * H + unit] : 0.0f;
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, ln.slots.lens, g.bs);
-  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   int slot_len[BT];
-  ln.slots.lengths(slot_len);
+  const int smax = ln.slots.finish(bar, g.bs, slot_len);
+  const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   if (ln.cluster && ln.idle_warp) return;
 
   float pnext[F];
   auto prefetch = [&](int s) {
     if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
+    if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
   };
   prefetch(smax - 1);
   const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range

@@ -295,6 +295,18 @@ __device__ long long g_step_clock[2][8][4096];
 #define VLSEQ_MARK(dir, k, s)
 #endif
 
+// Asks L2 for the line at p without a register to wait on: the fused kernels ask for the step after
+// next's inputs, so that the next step's register loads (one step ahead) find them in L2, not in
+// HBM (a batch's saved fields and input projections outgrow the 50 MB L2).
+#ifndef VLSEQ_RNN_L2_PREFETCH
+#define VLSEQ_RNN_L2_PREFETCH 1
+#endif
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if VLSEQ_RNN_L2_PREFETCH
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // Activations with the fast exponential and division: ~2e-7 absolute error, far inside the 1e-5
 // relative bar against float64, and a short dependency chain (the cell is on every step's path).
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }

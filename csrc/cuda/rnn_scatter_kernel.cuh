@@ -88,16 +88,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_scatter_kernel(const
     }
   }
   GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(nc), 0u};
-  const int smax = finish_setup(bar, slots.lens, g.bs);
-  const int len = cell ? slots.lens[cb] : 0;
   int slot_len[BT];
-  slots.lengths(slot_len);
+  const int smax = slots.finish(bar, g.bs, slot_len);
+  const int len = cell ? slots.lens[cb] : 0;
   // Each source block sends, per running sample, the float4 chunks that hold this block's units.
   const uint32_t chunk_bytes = static_cast<uint32_t>(nc * ceil_div(blk.hv, 4) * 16);
 
   float pnext[F];
   auto prefetch = [&](int s) {
     if (cell && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
+    if (cell && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
   };
   prefetch(smax - 1);
   // Steps smax-1 .. 0, then s = -1: only the sums, for dh0.
