@@ -252,7 +252,7 @@ def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], 
             i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
             c[rows] = f * c[rows] + i * g
             hn = o * c[rows].tanh()
-            saved[rows, t] = torch.cat([i, f, g, o], 1)
+            saved[rows, t] = torch.stack([i, f, g, o], 2).flatten(1)  # each unit's four together
             cs[rows, t] = c[rows]
         else:
             xr, xz, xn = x.chunk(3, dim=1)
@@ -260,7 +260,7 @@ def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], 
             r, z = (xr + hr).sigmoid(), (xz + hz).sigmoid()
             n = (xn + r * hn_).tanh()
             hn = (1 - z) * n + z * hp
-            saved[rows, t] = torch.cat([r, z, n, hn_], 1)
+            saved[rows, t] = torch.stack([r, z, n, hn_], 2).flatten(1)
         h[rows] = hn
         y[rows, t] = hn
     return y, h, (c if lstm else xproj.new_empty(0)), saved, cs
@@ -288,7 +288,7 @@ def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, 
         dht = dh[rows] + (dy[rows, t] if dy is not None else 0)
         sv = saved[rows, t]
         if lstm:
-            i, f, g, o = sv.chunk(4, dim=1)
+            i, f, g, o = sv.unflatten(1, (H, 4)).unbind(2)
             cp = c0[rows] if s == 0 else cs[rows, tp]
             tc = cs[rows, t].tanh()
             dct = dc[rows] + dht * o * (1 - tc * tc)
@@ -297,7 +297,7 @@ def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, 
             dc[rows] = dct * f
             dgh, direct = d, 0
         else:
-            r, z, n, ghn = sv.chunk(4, dim=1)
+            r, z, n, ghn = sv.unflatten(1, (H, 4)).unbind(2)
             hp = h0[rows] if s == 0 else y[rows, tp]
             dn = dht * (1 - z) * (1 - n * n)
             d = torch.cat([dn * ghn * r * (1 - r), dht * (hp - n) * z * (1 - z), dn], 1)

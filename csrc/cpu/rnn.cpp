@@ -74,13 +74,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_forwa
             const float g = std::tanh(x[2 * H + j] + gh[2 * H + j]), o = sigmoid(x[3 * H + j] + gh[3 * H + j]);
             c[j] = f * c[j] + i * g;
             yt[j] = o * std::tanh(c[j]);
-            sv[j] = i, sv[H + j] = f, sv[2 * H + j] = g, sv[3 * H + j] = o;
+            sv[4 * j] = i, sv[4 * j + 1] = f, sv[4 * j + 2] = g, sv[4 * j + 3] = o;
             cs.data_ptr<float>()[(b * T + t) * H + j] = c[j];
           } else {
             const float r = sigmoid(x[j] + gh[j]), u = sigmoid(x[H + j] + gh[H + j]);
             const float n = std::tanh(x[2 * H + j] + r * gh[2 * H + j]);
             yt[j] = (1.0f - u) * n + u * h[j];
-            sv[j] = r, sv[H + j] = u, sv[2 * H + j] = n, sv[3 * H + j] = gh[2 * H + j];
+            sv[4 * j] = r, sv[4 * j + 1] = u, sv[4 * j + 2] = n, sv[4 * j + 3] = gh[2 * H + j];
           }
         }
         for (int64_t j = 0; j < H; ++j) h[j] = yt[j];
@@ -130,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cpu(
         for (int64_t j = 0; j < H; ++j) {
           const float dht = dh[j] + (dyp ? dyp[(b * T + t) * H + j] : 0.0f);
           if (lstm) {
-            const float i = sv[j], f = sv[H + j], g = sv[2 * H + j], o = sv[3 * H + j];
+            const float i = sv[4 * j], f = sv[4 * j + 1], g = sv[4 * j + 2], o = sv[4 * j + 3];
             const float ct = cs.const_data_ptr<float>()[(b * T + t) * H + j];
             const float cp = tp >= 0 ? cs.const_data_ptr<float>()[(b * T + tp) * H + j]
                                      : c0->const_data_ptr<float>()[b * H + j];
@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rnn_backward_cpu(
             for (int64_t q = 0; q < G; ++q) dgh[q * H + j] = dg[q * H + j];
             dprev[j] = 0.0f;
           } else {
-            const float r = sv[j], u = sv[H + j], n = sv[2 * H + j], ghn = sv[3 * H + j];
+            const float r = sv[4 * j], u = sv[4 * j + 1], n = sv[4 * j + 2], ghn = sv[4 * j + 3];
             const float hp = tp >= 0 ? y.const_data_ptr<float>()[(b * T + tp) * H + j]
                                      : h0.const_data_ptr<float>()[b * H + j];
             const float dn = dht * (1.0f - u) * (1.0f - n * n);

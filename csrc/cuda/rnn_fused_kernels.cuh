@@ -311,9 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     VLSEQ_MARK(0, 2, s);
     if (ln.writer && live) {
       const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
-      float* sv = a.saved + row * 4 * H + unit;
       a.y[row * H + unit] = h;
-      sv[0] = out[0], sv[H] = out[1], sv[2 * H] = out[2], sv[3 * H] = out[3];
+      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
     }
     prefetch(s + 1);
@@ -347,8 +346,13 @@ __device__ __forceinline__ void load_backward_fields(const BackwardArgs& a, int6
     else
       v = __ldg(ptr);
   };
-#pragma unroll
-  for (int f = 0; f < 4; ++f) load(p[f], a.saved + at * 4 * H + f * H + unit);
+  const float4* sv = reinterpret_cast<const float4*>(a.saved) + at * H + unit;
+  if constexpr (kL2) {
+    prefetch_l2(sv);
+  } else {
+    const float4 v = __ldg(sv);
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  }
   if constexpr (C == Cell::kLSTM) {
     load(p[4], a.cs + at * H + unit);
     load(p[5], s > 0 ? a.cs + prev * H + unit : a.c0 + sample * H + unit);

@@ -684,9 +684,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
       const int64_t row = step_row(g, blk, it.b[i], lens[it.b[i]], s), unit = j0 + it.j[i];
-      float* sv = a.saved + row * 4 * H + unit;
       a.y[row * H + unit] = out[i][0];
-      sv[0] = out[i][1], sv[H] = out[i][2], sv[2 * H] = out[i][3], sv[3 * H] = out[i][4];
+      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[i][1], out[i][2], out[i][3], out[i][4]);
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
     }
     prefetch(s + 1);
@@ -780,8 +779,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
       const int t = g.reverse ? len - 1 - s : s, tp = g.reverse ? len - s : s - 1;  // tp: the step before
       const int64_t first = static_cast<int64_t>(b0 + b) * T, unit = j0 + it.j[i];
       const int64_t at = first + t, prev = first + tp;
-#pragma unroll
-      for (int f = 0; f < 4; ++f) pnext[i][f] = __ldg(a.saved + at * 4 * H + f * H + unit);
+      const float4 sv = __ldg(reinterpret_cast<const float4*>(a.saved) + at * H + unit);
+      pnext[i][0] = sv.x, pnext[i][1] = sv.y, pnext[i][2] = sv.z, pnext[i][3] = sv.w;
       if constexpr (C == Cell::kLSTM) {
         pnext[i][4] = __ldg(a.cs + at * H + unit);
         pnext[i][5] = s > 0 ? __ldg(a.cs + prev * H + unit) : __ldg(a.c0 + static_cast<int64_t>(b0 + b) * H + unit);

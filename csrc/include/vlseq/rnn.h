@@ -37,7 +37,8 @@ struct Sizes {
 // rnn_forward(cell, xproj (B, T, G*H), w_hh (G*H, H), b_hh (G*H)?, h0 (B, H), c0 (B, H)? [LSTM
 // only], lengths (B,) int64, reverse, weights) -> (y (B, T, H), h_n (B, H), c_n (B, H) [empty for
 // GRU], saved (B, T, 4H), cs (B, T, H) [empty for GRU]). All float32, contiguous, on one device.
-// saved holds what backward needs at every step: LSTM [i, f, g, o] after their activations, GRU
+// saved holds what backward needs at every step, each unit's four together (saved[b, t, 4j + f], one
+// 16-byte store and load per unit and step): LSTM [i, f, g, o] after their activations, GRU
 // [r, z, n, W_hn h + b_hn]; cs the LSTM cell states.
 Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::Tensor& w_hh,
                     const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
