@@ -202,7 +202,7 @@ def gpus() -> int:
 @pytest.mark.parametrize("k,short", [(1, 0), (3, 0), (3, 1), (8, 0), (8, 3)])
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_gpu_paths_match_float64(model_name, k, short, reduction, no_tf32):
-    """List models run as padded graphs, the one-sample model as per-sample graphs on min(k, 4)
+    """List models run as padded graphs, the one-sample model as per-sample graphs on min(k, 8)
     lanes; both threaded over two GPUs (where there are two), full steps and steps `short` samples
     short. Twice: the second pass replays."""
     n = k * gpus() - short

@@ -28,9 +28,11 @@ from .replicas import Lane, ReplicaSet
 # (BENCHMARKS.md, W2): LSTM 36->64, per-sample graphs 2,547 samples/s vs packed 1,681; 2-layer LSTM
 # of width 512, packed 725 vs graphs 216. The crossover lies between the two measured models.
 PER_SAMPLE_GRAPH_MAX_WIDTH = 256
-# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). A
-# probe on one H200 (LSTM 512x2, L=300): 4 streams replay at 1.36x one stream.
-MAX_LANES = 4
+# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). On the
+# persistent recurrent kernels a one-sample pass holds one 16-SM cluster, so more lanes keep paying:
+# one H200, LSTM 256x2 one-sample model at k=32 (BENCHMARKS.md, ninth session): 4 / 6 / 7 / 8 lanes
+# 5,921 / 7,261 / 7,731 / 8,299 samples/s (on cuDNN's chains, 4 and 8 lanes had measured the same).
+MAX_LANES = 8
 
 
 def recurrent_width(model: nn.Module) -> int:
@@ -46,18 +48,18 @@ class SlowPlanWarning(UserWarning):
 
 def slow_plan_note(plan: str, model: nn.Module, samples_per_device: int, pack, cuda_graphs: bool) -> Optional[str]:
     """Why the chosen plan will be slow, when it will be: a wide one-sample model at k > 1 runs one
-    batch-1 graph per sample, a chain of tiny dependent kernels per sample (BENCHMARKS.md, diag.limits:
-    about a quarter of a plain packed one-GPU loop at LSTM 256x2 or 1024, k=32, on an H200). None
-    when the plan is fine or was asked for (pack=False)."""
+    batch-1 graph per sample (BENCHMARKS.md, ninth session, one H200, k=32: LSTM 256x2 ~4,300
+    samples/s one sample at a time against ~8,350 as a list model; LSTM 1024 ~300 against ~1,800).
+    None when the plan is fine or was asked for (pack=False)."""
     width = recurrent_width(model)
     if plan != "per_sample" or not cuda_graphs or samples_per_device < 2 or pack is False \
             or width < PER_SAMPLE_GRAPH_MAX_WIDTH:
         return None
     return (f"vlseq_ext: the model takes one sample at a time (no forward_padded, and forward does not take a "
             f"list) and its recurrent width is {width}: each of the {samples_per_device} samples per GPU runs as "
-            "its own batch-1 CUDA graph, which is latency-bound (about a quarter of a packed one-GPU loop at "
-            "this width). Give the model forward_padded(x, lengths) (SeqModel shows how) or let forward take "
-            "a list of samples, and they run as one batch.")
+            "its own batch-1 CUDA graph, which is latency-bound (half to a sixth of the same model's speed as one "
+            "batch at this width). Give the model forward_padded(x, lengths) (SeqModel shows how) or let forward "
+            "take a list of samples, and they run as one batch.")
 
 
 class DeviceRunner:
