@@ -3,7 +3,8 @@
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups]   (default LSTM, fp32, 1 group; 480 steps,
 // each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
 // reduce-scatter backward where they fit). Several groups make the batch's tensors outgrow L2, as in
-// the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32).
+// the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0,
+// the fused kernels do not ask L2 for the step after next's inputs (the A/B of BENCHMARKS.md, ninth session).
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>

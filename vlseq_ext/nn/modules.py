@@ -24,15 +24,15 @@ from . import concurrency, functional
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
 KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
-# "auto" follows the rnn bench on an H200 (BENCHMARKS.md, 2026-12-01, eighth session, run 4; forward +
+# "auto" follows the rnn bench on an H200 (BENCHMARKS.md, 2026-12-01, ninth session, run 2; forward +
 # backward, ours against cuDNN in the same run). cuDNN stays where it measured faster:
-# - unpadded input up to hidden 64, where cuDNN runs its own persistent kernel (ours 0.85x for one
-#   sample, 0.70x for 32); at hidden 128 ours measured faster (LSTM 2.15x / 1.7x for 1 / 32 samples,
-#   GRU 1.1x and bidirectional GRU 1.2x for 32); hidden 65-127 is unmeasured and goes to ours;
-# - unpadded input under bf16 autocast (ours 0.96x at hidden 256, 0.35x at 1024);
-# - the grid layout with 16 or more samples per block (fp32 LSTM 1024 at batch 32: 0.83x; TF32 0.50x).
-# Everywhere else ours measured faster: 2.3-3.95x at hidden 256, 2.1x at hidden 512 and 1.4x at 1024
-# for one sample, and 2.5-9.9x on batches with per-sample lengths, which cuDNN runs packed.
+# - unpadded input up to hidden 64, where cuDNN runs its own persistent kernel (ours 0.83x for one
+#   sample, 0.81x for 32); at hidden 128 ours measured faster (LSTM 2.1x / 2.0x for 1 / 32 samples,
+#   GRU 1.3x and bidirectional GRU 1.4x for 32); hidden 65-127 is unmeasured and goes to ours;
+# - unpadded input under bf16 autocast (ours 0.97x at hidden 256, 0.35x at 1024);
+# - the grid layout with 16 or more samples per block (fp32 LSTM 1024 at batch 32: 0.84x; TF32 0.50x).
+# Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 2.15x at hidden 512 and 1.4x at 1024
+# for one sample, and 2.9-11x on batches with per-sample lengths, which cuDNN runs packed.
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_CUDNN_GRID_SAMPLES = 16
 
