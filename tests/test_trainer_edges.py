@@ -339,3 +339,35 @@ def test_new_storage_for_a_master_weight_is_refused_in_one_line():
                                          r"after the ParallelTrainer was built; write into it in place") as info:
         trainer.step(*batch(2, gen))
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# lanes and graph memory
+# ---------------------------------------------------------------------------------------------
+
+
+def test_more_lanes_do_not_let_graphs_take_more_of_the_device(monkeypatch):
+    """Up to eight lanes per device now (four before): by default each lane's graph cache may hold a
+    tenth of the device's memory, cut so that a device's lanes together stay within four tenths, as
+    four lanes were; a graph_memory_bytes the user gives holds per cache. The trainer's own call
+    site is checked with the caches recorded and an 80 GiB device pretended (CI has no GPU)."""
+    from types import SimpleNamespace
+
+    from vlseq_ext.training import execution
+    total = 80 * 2**30
+    assert [execution.lane_graph_bytes(None, total, n) for n in (1, 4, 8)] == [total // 10, total // 10, total // 20]
+    assert execution.lane_graph_bytes(123, total, 8) == 123
+    made = []
+    monkeypatch.setattr(execution, "SampleGraphs", lambda *args: made.append(args[-2:]))
+    monkeypatch.setattr(execution.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    model = SeqModel(input_dim=3, hidden_dim=4)
+    for option, want in ((None, total // 20), (5000, 5000)):
+        made.clear()
+        trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu",
+                                  samples_per_device=8, graph_memory_bytes=option)
+        runner = trainer.runner
+        runner.replicas.ensure_lanes(8)
+        runner.plan, runner.cuda_graphs = "per_sample", True
+        runner._make_caches()
+        trainer.close()
+        assert made == [(1024, want)] * 8

@@ -33,6 +33,19 @@ PER_SAMPLE_GRAPH_MAX_WIDTH = 256
 # one H200, LSTM 256x2 one-sample model at k=32 (BENCHMARKS.md, ninth session): 4 / 6 / 7 / 8 lanes
 # 5,921 / 7,261 / 7,731 / 8,299 samples/s (on cuDNN's chains, 4 and 8 lanes had measured the same).
 MAX_LANES = 8
+# Default graph memory (graph_memory_bytes None): a tenth of the device's memory per cache, and at most
+# four tenths for all of a device's lanes together (what four lanes had before there could be eight),
+# so more lanes never let graphs take more of the device.
+GRAPH_MEMORY_SHARE = 0.1
+LANES_GRAPH_MEMORY_SHARE = 0.4
+
+
+def lane_graph_bytes(option: Optional[int], total_memory: int, lanes: int) -> int:
+    """Each lane's graph-memory bound: the option when given, else GRAPH_MEMORY_SHARE of the
+    device's memory, cut so that the lanes together stay within LANES_GRAPH_MEMORY_SHARE."""
+    if option is not None:
+        return option
+    return int(total_memory * min(GRAPH_MEMORY_SHARE, LANES_GRAPH_MEMORY_SHARE / max(lanes, 1)))
 
 
 def recurrent_width(model: nn.Module) -> int:
@@ -176,8 +189,12 @@ class DeviceRunner:
                 self.padded_graphs[d] = PaddedGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream, dtype,
                                                      *bounds)
             elif self.plan == "per_sample":
+                max_bytes = lane_graph_bytes(self.options.graph_memory_bytes,
+                                             torch.cuda.get_device_properties(self.devices[d]).total_memory,
+                                             len(dev_lanes))
                 self.sample_graphs[d] = [SampleGraphs(lane.module, self.devices[d], self._pass(lane), lane.stream,
-                                                      dtype, *bounds) for lane in dev_lanes]
+                                                      dtype, self.options.graph_cache_size, max_bytes)
+                                         for lane in dev_lanes]
 
     def warmup_steps(self, lengths: List[int]) -> List[List[int]]:
         """The sample lengths of the steps that capture every graph these lengths will replay (after

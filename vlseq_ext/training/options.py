@@ -65,7 +65,8 @@ class TrainerOptions:
             they can run) or "cudnn" (torch's own). The modules are swapped in place and keep their
             Parameter objects (vlseq_ext.nn.use_kernels).
         graph_cache_size, graph_memory_bytes: bounds on each graph cache; past them, eager
-            (graph_memory_bytes None: a tenth of the device's memory).
+            (graph_memory_bytes None: a tenth of the device's memory, and the per-sample lanes of a
+            device together at most four tenths).
     Between the merge and the optimizer step (vlseq_ext.training.guard.StepGuard):
         clip_grad_norm: clip the global gradient L2 norm to this.
         track_grad_norm: compute the norm every step (last_grad_norm) without clipping.
