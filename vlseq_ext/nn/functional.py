@@ -53,9 +53,9 @@ def _recurrent_weight_grad(dgh: Tensor, y: Tensor, h0: Tensor, lengths: Optional
     first = torch.arange(B, device=y.device) * T
     if not reverse:
         dw = _gemm(dgh[1:].t(), flat[:-1], precision)
-        edge = first  # step 0: read flat[first - 1] (the sample before's last row), wants h0
+        # step 0 (row `first`) read flat[first - 1], the sample before's last row; it wants h0
         wrong = torch.cat([flat.new_zeros(1, H), flat[first[1:] - 1]])
-        dg_edge = dgh[edge]
+        dg_edge = dgh[first]
     else:
         dw = _gemm(dgh[:-1].t(), flat[1:], precision)
         lens = lengths.clamp(0, T)  # the last step, len - 1, read flat[first + len], wants h0

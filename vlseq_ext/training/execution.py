@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .graphs import PaddedGraphs, SampleGraphs, padded_length
+from .graphs import GRAPH_MEMORY_SHARE, PaddedGraphs, SampleGraphs, padded_length
 from .losses import PerSampleLoss, StepPass, forward_backward, stack_targets
 from .options import TrainerOptions
 from .replicas import Lane, ReplicaSet
@@ -33,10 +33,9 @@ PER_SAMPLE_GRAPH_MAX_WIDTH = 256
 # one H200, LSTM 256x2 one-sample model at k=32 (BENCHMARKS.md, ninth session): 4 / 6 / 7 / 8 lanes
 # 5,921 / 7,261 / 7,731 / 8,299 samples/s (on cuDNN's chains, 4 and 8 lanes had measured the same).
 MAX_LANES = 8
-# Default graph memory (graph_memory_bytes None): a tenth of the device's memory per cache, and at most
-# four tenths for all of a device's lanes together (what four lanes had before there could be eight),
-# so more lanes never let graphs take more of the device.
-GRAPH_MEMORY_SHARE = 0.1
+# Default graph memory (graph_memory_bytes None): graphs.GRAPH_MEMORY_SHARE of the device's memory
+# per cache, and at most four tenths for all of a device's lanes together (what four lanes had before
+# there could be eight), so more lanes never let graphs take more of the device.
 LANES_GRAPH_MEMORY_SHARE = 0.4
 
 

@@ -38,6 +38,8 @@ __all__ = ["capture", "SampleGraphs", "PaddedGraphs", "padded_length"]
 # Padded lengths are rounded up to a multiple of this: at most 31 wasted steps per batch (6% of a
 # 275-step mean at the default data), and 16 graphs cover lengths 1-512.
 PAD_BUCKET = 32
+# A cache's graph memory when no bound is given: this share of the device's memory.
+GRAPH_MEMORY_SHARE = 0.1
 # "relaxed": CUDA's capture-mode checks flag API calls made during a capture that are harmless here
 # (another device's thread allocating; lazy loading and event queries inside cuDNN and the
 # allocator) and invalidate the capture. With "thread_local", captures of models that capture
@@ -122,7 +124,7 @@ class _Cache:
         self.stream = stream
         self.max_graphs = max_graphs
         self.max_bytes = max_bytes if max_bytes is not None else int(
-            0.1 * torch.cuda.get_device_properties(device).total_memory)
+            GRAPH_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory)
         self.pool = None
         self.graph_bytes = 0
         self.captures = 0
