@@ -335,32 +335,65 @@ def test_bf16_autocast_tolerance(rand):
     assert err < 3e-2, err
 
 
+def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5):
+    """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm)."""
+    B, G = len(lens), 4 if cell == "lstm" else 3
+    xp = rand.randn(B, T, G * H)
+    w, b = rand.randn(G * H, H, scale=0.8 / H ** 0.5), rand.randn(G * H, scale=0.1)
+    h0 = rand.randn(B, H)
+    c0 = rand.randn(B, H) if cell == "lstm" else None
+    dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)
+    dc_n = rand.randn(B, H) if cell == "lstm" else None
+    if weights == "bf16":  # the CPU kernels take fp32 weights: the bf16-rounded ones are the same numbers
+        w = w.to(torch.bfloat16).float()
+    outs = {}
+    for dev in ("cpu", DEV):
+        on = [None if t is None else t.to(dev) for t in (xp, w, b, h0, c0, torch.tensor(lens), dy, dh_n, dc_n)]
+        prec = weights if dev != "cpu" else "fp32"
+        y, h_n, c_n, saved, cs = ops.rnn_forward(cell, *on[:6], reverse, prec, max_blocks=max_blocks)
+        grads = ops.rnn_backward(cell, on[1], y, saved, cs, on[3], on[4], on[5], *on[6:], reverse, prec,
+                                 max_blocks=max_blocks)
+        outs[dev] = [t.cpu() for t in (y, h_n, c_n, *grads) if t.numel()]
+    for i, (got, want) in enumerate(zip(outs[DEV], outs["cpu"])):
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err <= tol, f"output {i}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_op_single_block_reduce_scatter_against_the_cpu_op(rand, cell):
     """Four samples per block on one block per group (hidden 64, 16 samples on 4 SMs): the
     reduce-scatter backward's single-block path, lengths that tie, end at 1 and at 0, the GRU in
     reverse; every output of both ops against the CPU kernels."""
-    B, T, H, G = 16, 40, 64, 4 if cell == "lstm" else 3
-    plan = ops.rnn_plan(cell, H, B, "fp32", DEV, max_blocks=4)
+    lens = [40, 1, 17, 17, 0, 40, 3, 25, 1, 9, 33, 17, 2, 40, 12, 6]
+    plan = ops.rnn_plan(cell, 64, len(lens), "fp32", DEV, max_blocks=4)
     assert plan.startswith("local") and "reduce-scatter" in plan, plan
-    reverse = cell == "gru"
-    lens = torch.tensor([40, 1, 17, 17, 0, 40, 3, 25, 1, 9, 33, 17, 2, 40, 12, 6])
-    xp = rand.randn(B, T, G * H)
-    w, b = rand.randn(G * H, H, scale=0.2), rand.randn(G * H, scale=0.1)
-    h0 = rand.randn(B, H)
-    c0 = rand.randn(B, H) if cell == "lstm" else None
-    dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)
-    dc_n = rand.randn(B, H) if cell == "lstm" else None
-    outs = {}
-    for dev in ("cpu", DEV):
-        on = [None if t is None else t.to(dev) for t in (xp, w, b, h0, c0, lens, dy, dh_n, dc_n)]
-        y, h_n, c_n, saved, cs = ops.rnn_forward(cell, *on[:6], reverse, "fp32", max_blocks=4)
-        grads = ops.rnn_backward(cell, on[1], y, saved, cs, on[3], on[4], on[5], *on[6:], reverse, "fp32",
-                                 max_blocks=4)
-        outs[dev] = [t.cpu() for t in (y, h_n, c_n, *grads) if t.numel()]
-    for i, (got, want) in enumerate(zip(outs[DEV], outs["cpu"])):
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert err <= 1e-5, f"output {i}: relative error {err:.3g}"
+    compare_ops_with_cpu(rand, cell, lens, 40, 64, reverse=cell == "gru", max_blocks=4)
+
+
+@pytest.mark.parametrize("cell,H,lens,reverse", [
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False),
+    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True),
+    ("lstm", 1000, [30], True),
+    ("gru", 604, [5, 30, 0, 11, 30], False),
+    ("lstm", 516, list(range(1, 31)) + [0, 30, 7], False),
+])
+def test_op_grid_layout_against_the_cpu_op(rand, cell, H, lens, reverse):
+    """The grid kernels (W_hh over more than a cluster): every output of both ops against the CPU
+    kernels, with lengths that tie, end at 0 and 1, a last block with fewer units (H 604, 516),
+    one sample, more samples than a batch tile, both directions."""
+    plan = ops.rnn_plan(cell, H, len(lens), "fp32", DEV)
+    assert plan.startswith("grid"), plan
+    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_op_grid_layout_bf16_weights(rand, cell):
+    """bf16 W_hh on the grid layout: against the CPU kernels with the same bf16-rounded weights (the
+    products of bf16 weights and fp32 state are summed in fp32)."""
+    lens = [20, 1, 13, 0, 20, 7, 19, 2, 20, 11]
+    plan = ops.rnn_plan(cell, 1024, len(lens), "bf16", DEV)
+    assert plan.startswith("grid"), plan
+    compare_ops_with_cpu(rand, cell, lens, 20, 1024, False, weights="bf16")
 
 
 def test_op_lengths_zero_and_beyond_are_clamped(rand):

@@ -9,7 +9,7 @@
 // samples in one batch tile (fp32, fits_fused), the fused kernels run it; the backward may instead
 // be the fused one with a reduce-scatter (fits_scatter), faster from two samples per block on.
 // Bigger layers spread over up to one block per SM and synchronise through global memory (kGrid,
-// launched cooperatively). The choice minimises a cost model of one step (products, cell, exchange
+// launched cooperatively; rnn_grid_kernels.cuh). The choice minimises a cost model of one step (products, cell, exchange
 // and barrier, in clocks) times the number of waves of groups that do not fit on the GPU at once;
 // BENCHMARKS.md has what it picks and what that measures.
 #include <ATen/ATen.h>
@@ -24,7 +24,7 @@
 #include <tuple>
 
 #include "entry.h"
-#include "rnn_kernels.cuh"
+#include "rnn_grid_kernels.cuh"
 
 namespace vlseq::rnn {
 namespace {
@@ -113,13 +113,18 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
   return backward ? forward + 400.0 + 2.2 * H * (bs - 1) : forward;
 }
 
-// Clocks of one step of a grid layout (not refitted since the fourth session): every block reads every
-// sample's h and writes/reads partials (L2 bytes at ~2.9 KB/clock) and a global barrier.
-double grid_clocks(int G, int hs, int H, int bs, int nc, int groups, int wbytes) {
-  const double R = G * hs, K = round_up(H, 4);
-  const double products = std::max(R * K * wbytes / 128.0, R * K * bs / 128.0) * 1.3 + 150.0;
-  const double bytes = static_cast<double>(groups) * nc * bs * H * 4.0 * 3.0;
-  return products + 2500.0 + bytes / 2900.0;
+// Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
+// fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
+// whichever bounds; L2 at ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's
+// h, under the products; backward: the partials written under the products, read after the barrier);
+// ~2,500 a direction for the cell and the barrier.
+double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes) {
+  const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);
+  const double fma = R8 * Kp * bsp / 128.0;
+  const double smem = (R8 / kGridRows) * (bsp / bt) * (Kp / 4.0) * (kGridRows * 4.0 * wbytes + bt * 16.0) / 128.0;
+  const double l2 = static_cast<double>(groups) * nc * bs * Kp * 4.0 / 2900.0;
+  const double products = std::max(fma, smem);
+  return std::max(products, l2) + 2500.0 + products + l2 + 2500.0;
 }
 
 struct Cost {
@@ -183,34 +188,37 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
   return found;
 }
 
-// The grid plan (W_hh over more than 16 blocks): all groups resident at once, chunked staging of h.
+// The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
+// (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
+// in the fewest chunks of columns whose two buffers fit beside W_hh.
 bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
-  const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
+  const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
+  const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   bool found = false;
-  for (int nc = kMaxCluster + 1; nc <= sms; ++nc) {
-    const int hs = ceil_div(H, nc);
-    if (ceil_div(H, hs) != nc) continue;
-    const int groups_max = sms / nc;  // one block per SM (W fills shared memory)
-    const int bs = ceil_div(B, groups_max), groups = ceil_div(B, bs), bt = batch_tile(bs);
-    if (bs * hs > kThreads * kMaxItems) continue;
+  for (int hs = 4; hs < Kp; hs += 4) {
+    const int nc = ceil_div(H, hs);
+    if (nc > sms) continue;
+    if (nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
+    if (static_cast<int64_t>(round_up(G * hs, kGridRows)) * (Kp + 4) * wbytes > optin) break;  // grows with hs
+    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
     Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
     int64_t fwd = 0;
-    for (g.chunk = bs; g.chunk >= 1; g.chunk = g.chunk > 8 ? round_up(g.chunk / 2, 8) : g.chunk - 1) {
-      fwd = ForwardSmem(g, G, wbytes, batch_tile(g.chunk)).total;
-      if (fwd <= static_cast<int64_t>(p.sharedMemPerBlockOptin)) break;
+    for (int n = 1; n <= Kp / 16 && g.chunk == 0; ++n) {
+      g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
+      fwd = GridForwardSmem(g, G, wbytes, bt).total;
+      if (fwd > optin) g.chunk = 0;
     }
-    if (g.chunk < 1) continue;
-    const int64_t bwd = BackwardSmem(g, G, wbytes, bt, F).total;
-    if (bwd > static_cast<int64_t>(p.sharedMemPerBlockOptin)) continue;
-    // The forward kernel's batch tile follows the chunk; one bt for both keeps one plan field.
-    const int fbt = batch_tile(g.chunk);
-    const void* fk = forward_kernel(cell, w, fbt, false);
-    const void* bk = backward_kernel(cell, w, bt, false);
+    if (g.chunk == 0) continue;
+    const int64_t bwd = GridBackwardSmem(g, G, wbytes, bt).total;
+    if (bwd > optin) continue;
+    const void* fk = grid_forward_kernel(cell, w, bt);
+    const void* bk = grid_backward_kernel(cell, w, bt);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks = grid_clocks(G, hs, H, bs, nc, groups, wbytes);
+    const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
       best.plan =
@@ -266,7 +274,7 @@ std::string LayerPlan::describe() const {
   static const char* names[] = {"local", "cluster", "grid"};
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
-         (sync == 2 ? ", h staged " + std::to_string(chunk) + " samples at a time" : "") +
+         (sync == 2 ? ", h staged " + std::to_string(chunk) + " columns at a time" : "") +
          (fused_forward || fused_backward || scatter_backward
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
@@ -334,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor cs = lstm ? at::empty({z.B, z.T, z.H}, opts) : at::empty({0}, opts);
   at::Tensor xchg, arrivals;
   if (plan.sync == static_cast<int>(Sync::kGrid)) {
-    // Rows of round_up(H, 4) for 16-byte loads; the padding stays zero (nobody writes it).
+    // Rows of round_up(H, 4) for 16-byte copies; the padding stays zero (nobody writes it).
     xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
@@ -354,8 +362,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 lstm ? cs.data_ptr<float>() : nullptr,
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  const int bt = plan.sync == static_cast<int>(Sync::kGrid) ? batch_tile(plan.chunk) : plan.bt;
-  launch(forward_kernel(z.cell, z.weights, bt, plan.fused_forward), a, plan, plan.smem_forward,
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
+  launch(grid ? grid_forward_kernel(z.cell, z.weights, plan.bt) : forward_kernel(z.cell, z.weights, plan.bt, plan.fused_forward),
+         a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
@@ -375,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor dc0 = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
   at::Tensor xchg, arrivals;
   if (plan.sync == static_cast<int>(Sync::kGrid)) {
-    xchg = at::empty({2 * plan.groups * plan.nc * plan.bs * z.H}, opts);
+    xchg = at::empty({2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
   const at::Tensor order = samples_by_length(lengths, plan.fused_backward || plan.scatter_backward);
@@ -397,8 +406,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(plan.scatter_backward ? backward_scatter_kernel(z.cell, plan.bt)
-                                : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
+  launch(plan.sync == static_cast<int>(Sync::kGrid) ? grid_backward_kernel(z.cell, z.weights, plan.bt)
+         : plan.scatter_backward                      ? backward_scatter_kernel(z.cell, plan.bt)
+                                                      : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
          a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};

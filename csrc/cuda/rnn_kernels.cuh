@@ -1,8 +1,9 @@
 // Persistent LSTM/GRU layer kernels: one launch runs every step of one layer and direction
 // (semantics: csrc/include/vlseq/rnn.h; host side and layout choice: rnn.cu). This file: what every
-// kernel shares, and the generic kernels (W_hh in shared memory, any batch, every exchange); the
-// fused kernels (W_hh in registers, the cell in the lanes that sum the products, no block-wide
-// barrier per step in a cluster) are in rnn_fused_kernels.cuh.
+// kernel shares, and the generic kernels (W_hh in shared memory, any batch, one block or a cluster);
+// the fused kernels (W_hh in registers, the cell in the lanes that sum the products, no block-wide
+// barrier per step in a cluster) are in rnn_fused_kernels.cuh, the grid layout's in
+// rnn_grid_kernels.cuh.
 //
 // Work split
 // ----------
@@ -84,7 +85,7 @@ struct Geometry {
   int nc;     // blocks per group
   int hs;     // hidden units per block (the last block may hold fewer)
   int bs;     // samples per group
-  int chunk;  // samples whose h is staged in shared memory at once (kGrid); = bs otherwise
+  int chunk;  // kGrid: columns of h staged in shared memory at once (rnn_grid_kernels.cuh); = bs otherwise
   Sync sync;
   int reverse;
 };
@@ -106,7 +107,7 @@ struct ForwardArgs {
   float* c_n;
   float* saved;
   float* cs;
-  float* xchg;         // kGrid: [2][groups][bs][H]
+  float* xchg;         // kGrid: [2][groups][bs][round_up(H, 4)], the padding zero
   unsigned* arrivals;  // kGrid: one counter per group, zeroed before the launch
 };
 
@@ -127,7 +128,7 @@ struct BackwardArgs {
   float* dgates_hn;
   float* dh0;
   float* dc0;
-  float* xchg;  // kGrid: [2][groups][nc][bs][H]
+  float* xchg;  // kGrid: [2][groups][nc][bs][nc * hs]
   unsigned* arrivals;
 };
 
@@ -138,7 +139,7 @@ struct ForwardSmem {
     const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
     w = off, off += round_up(round_up(R, kRowTile) * (Kp + 4) * wbytes, 16);
-    h = off, off += (g.sync == Sync::kGrid ? 1 : 2) * round_up(g.chunk, bt) * Kp * 4;
+    h = off, off += 2 * round_up(g.bs, bt) * Kp * 4;
     gates = off, off += round_up(g.bs * R * 4, 16);
     hown = off, off += round_up(g.bs * g.hs * 4, 16);
     cown = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -159,7 +160,7 @@ struct BackwardSmem {
     int off = 0;
     wt = off, off += round_up(Kp * (Rp + 4) * wbytes, 16);
     dg = off, off += round_up(g.bs, bt) * Rp * 4;
-    recv = off, off += g.sync == Sync::kGrid ? 0 : 2 * g.nc * g.bs * g.hs * 4;
+    recv = off, off += 2 * g.nc * g.bs * g.hs * 4;
     dh = off, off += round_up(g.bs * g.hs * 4, 16);
     dc = off, off += round_up(g.bs * g.hs * 4, 16);
     ddir = off, off += round_up(g.bs * g.hs * 4, 16);
@@ -510,17 +511,44 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
 }
 
+// The input projections at step s of this thread's pairs still running, into x (loaded a step ahead:
+// their latency hides behind the barrier and the next products), and a request to L2 for step s + 1's
+// (a batch's projections outgrow L2; the next register loads then find them there).
+template <int G>
+__device__ __forceinline__ void load_step_inputs(const ForwardArgs& a, const Block& blk, const Items& it,
+                                                 const int* lens, int s, float (&x)[kMaxItems][G]) {
+  const Geometry& g = a.g;
+  const int64_t GH = static_cast<int64_t>(G) * g.H;
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    const int b = it.b[i];
+    if (b < 0) continue;
+    const int len = lens[b];
+    const float* row = a.xproj + static_cast<int64_t>(blk.b0 + b) * g.T * GH + blk.j0 + it.j[i];
+    if (s < len) {
+      const int64_t t = g.reverse ? len - 1 - s : s;
+#pragma unroll
+      for (int q = 0; q < G; ++q) x[i][q] = __ldg(row + t * GH + q * g.H);
+    }
+    if (s + 1 < len) {
+      const int64_t t = g.reverse ? len - 2 - s : s + 1;
+#pragma unroll
+      for (int q = 0; q < G; ++q) prefetch_l2(row + t * GH + q * g.H);
+    }
+  }
+}
+
 template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   const Geometry& g = a.g;
-  const int H = g.H, T = g.T, hs = g.hs, R = G * hs, GH = G * H;
+  const int H = g.H, hs = g.hs, R = G * hs;
   const int Kp = round_up(H, 4), ldw = Kp + 4;
   const Block blk(g);
-  const int groups = blk.groups, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
+  const int j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
+  const bool cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
   const ForwardSmem lay(g, G, sizeof(WT), BT);
@@ -531,9 +559,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
   float* cown = reinterpret_cast<float*>(smem + lay.cown);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
-  const int hbuf = round_up(g.chunk, BT) * Kp;  // floats per h buffer
-  // kGrid exchange: h of every sample of the group, rows of Kp (zero padding from the host).
-  auto xchg = [&](int parity) { return a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.bs * Kp; };
+  const int hbuf = round_up(g.bs, BT) * Kp;  // floats per h buffer
 
   load_weights<false>(w_s, ldw, round_up(R, kRowTile), ldw, a.w_hh, G, g, blk);
   load_lengths(lens, a.lengths, g, blk);
@@ -544,23 +570,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     hown[e] = mine ? a.h0[at] : 0.0f;
     cown[e] = mine && C == Cell::kLSTM ? a.c0[at] : 0.0f;
   }
-  if (!grid) {
-    // Buffer 0 = h0 of the group's samples; other entries zero. Later steps write only rows < bv,
-    // columns < H, which this set-up leaves to them.
-    for (int e = tid; e < 2 * hbuf; e += kThreads) {
-      const int buf = e / hbuf, rem = e - buf * hbuf, b = rem / Kp, k = rem - b * Kp;
-      if (buf == 0 && b < bv && k < H)
-        h_s[e] = a.h0[static_cast<int64_t>(b0 + b) * H + k];
-      else if (b >= bv || k >= H)
-        h_s[e] = 0.0f;
-    }
-  } else {
-    for (int e = tid; e < hbuf; e += kThreads) h_s[e] = 0.0f;
-    float* out = xchg(0);
-    for (int e = tid; e < bv * hv; e += kThreads) {
-      const int b = e / hv, j = e - b * hv;
-      __stcg(out + static_cast<int64_t>(b) * Kp + j0 + j, a.h0[static_cast<int64_t>(b0 + b) * H + j0 + j]);
-    }
+  // Buffer 0 = h0 of the group's samples; other entries zero. Later steps write only rows < bv,
+  // columns < H, which this set-up leaves to them.
+  for (int e = tid; e < 2 * hbuf; e += kThreads) {
+    const int buf = e / hbuf, rem = e - buf * hbuf, b = rem / Kp, k = rem - b * Kp;
+    if (buf == 0 && b < bv && k < H)
+      h_s[e] = a.h0[static_cast<int64_t>(b0 + b) * H + k];
+    else if (b >= bv || k >= H)
+      h_s[e] = 0.0f;
   }
   const Items it(bv, hv);
   float bias[kMaxItems][G];
@@ -568,28 +585,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
   for (int i = 0; i < kMaxItems; ++i)
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = it.b[i] >= 0 && a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
-  GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
+  GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  // The input projections of this thread's pairs, loaded one step ahead into registers (their
-  // latency hides behind the barrier and the next products). xrow: sample b's row at unit j.
-  const float* xrow[kMaxItems];
   float xnext[kMaxItems][G];
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i)
-    xrow[i] = it.b[i] >= 0 ? a.xproj + static_cast<int64_t>(b0 + it.b[i]) * T * GH + j0 + it.j[i] : nullptr;
-  auto prefetch = [&](int s) {
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      if (it.b[i] < 0 || s >= lens[it.b[i]]) continue;
-      const int len = lens[it.b[i]], t = g.reverse ? len - 1 - s : s;
-#pragma unroll
-      for (int q = 0; q < G; ++q) xnext[i][q] = __ldg(xrow[i] + static_cast<int64_t>(t) * GH + q * H);
-    }
-  };
-
-  const int ks = split_lanes(R, grid ? g.chunk : bv, BT, Kp / 4);
-  prefetch(0);
+  const int ks = split_lanes(R, bv, BT, Kp / 4);
+  load_step_inputs(a, blk, it, lens, 0, xnext);
   // Sent per unit, or per 4 units where the rows of h_s and hown stay 16-byte aligned.
   const int vec = hs % 4 == 0 && hv % 4 == 0 ? 4 : 1, sends_per_row = hv / vec;
   for (int s = 0; s < smax; ++s) {
@@ -602,24 +603,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
       for (int q = 0; q < G; ++q) x[i][q] = xnext[i][q];
     VLSEQ_MARK(0, 0, s);
     // Recurrent products: gates_s[b * R + r] = W_hh row r . h_{t-1} of sample b.
-    if (grid) {
-      const float* in = xchg(cur);
-      for (int c0 = 0; c0 < bv; c0 += g.chunk) {
-        const int nb = min(g.chunk, bv - c0);
-        for (int row = warp; row < nb; row += kWarps) {
-          const float4* src = reinterpret_cast<const float4*>(in + static_cast<int64_t>(c0 + row) * Kp);
-          float4* dst = reinterpret_cast<float4*>(h_s + row * Kp);
-          for (int k4 = lane; k4 < Kp / 4; k4 += 32) dst[k4] = __ldcg(src + k4);
-        }
-        __syncthreads();
-        matvec<BT>(w_s, ldw, R, Kp / 4, h_s, Kp, nb, ks,
-                   [&](int b, int r, float v) { gates_s[(c0 + b) * R + r] = v; });
-        __syncthreads();
-      }
-    } else {
-      matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
-                 [&](int b, int r, float v) { gates_s[b * R + r] = v; });
-    }
+    matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
+               [&](int b, int r, float v) { gates_s[b * R + r] = v; });
     VLSEQ_MARK(0, 1, s);
     __syncthreads();
     VLSEQ_MARK(0, 2, s);
@@ -657,11 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     VLSEQ_MARK(0, 3, s);
     // Publish this block's units of h (frozen samples too) to every block of the group: one row
     // (destination block, sample) per warp, units over the lanes.
-    if (grid) {
-      float* dst = xchg(cur ^ 1);
-      for (int b = warp; b < bv; b += kWarps)
-        for (int j = lane; j < hv; j += 32) __stcg(dst + static_cast<int64_t>(b) * Kp + j0 + j, hown[b * hs + j]);
-    } else if (cluster) {
+    if (cluster) {
       const uint32_t next = smem_u32(h_s + (cur ^ 1) * hbuf);
       for (int e = tid; e < g.nc * bv * sends_per_row; e += kThreads) {
         const int dst = e / (bv * sends_per_row), rem = e - dst * bv * sends_per_row;
@@ -688,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
       reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[i][1], out[i][2], out[i][3], out[i][4]);
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
     }
-    prefetch(s + 1);
+    load_step_inputs(a, blk, it, lens, s + 1, xnext);
     VLSEQ_MARK(0, 6, s);
     if (cluster)
       mbox.wait(cur ^ 1, (s >> 1) & 1);
@@ -716,9 +697,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   const int H = g.H, T = g.T, hs = g.hs, R = G * hs, GH = G * H;
   const int Kp = round_up(H, 4), Rp = round_up(R, 4), ldt = Rp + 4;
   const Block blk(g);
-  const int groups = blk.groups, rank = blk.rank, group = blk.group, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
+  const int rank = blk.rank, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv;
   const int tid = threadIdx.x;
-  const bool grid = g.sync == Sync::kGrid, cluster = g.sync == Sync::kCluster;
+  const bool cluster = g.sync == Sync::kCluster;
 
   extern __shared__ __align__(16) unsigned char smem[];
   const BackwardSmem lay(g, G, sizeof(WT), BT, F);
@@ -730,10 +711,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
   float* ddir = reinterpret_cast<float*>(smem + lay.ddir);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.bars));
-  // Partial dh of unit j0 + j of sample b from block q, exchanged at a step of parity `parity`.
-  auto xchg = [&](int parity, int q) {
-    return a.xchg + ((static_cast<int64_t>(parity) * groups + group) * g.nc + q) * g.bs * H;
-  };
 
   load_weights<true>(wt_s, ldt, ldt, Kp, a.w_hh, G, g, blk);
   for (int e = tid; e < round_up(g.bs, BT) * Rp; e += kThreads) dg_s[e] = 0.0f;
@@ -747,24 +724,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
     ddir[e] = 0.0f;
   }
   const Items it(bv, hv);
-  GroupBarrier bar{g.sync, grid ? a.arrivals + group : nullptr, static_cast<unsigned>(g.nc), 0u};
+  GroupBarrier bar{g.sync, nullptr, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
   // The sum, in rank order, of the partial dh that every block delivered for pair (b, j) at a
   // step of parity `parity`.
   auto received = [&](int parity, int b, int j) {
     float acc = 0.0f;
-    if (grid) {
-      const float* src = a.xchg + (static_cast<int64_t>(parity) * groups + group) * g.nc * g.bs * H +
-                         static_cast<int64_t>(b) * H + j0 + j;
-      const int64_t stride = static_cast<int64_t>(g.bs) * H;
+    const float* src = recv_s + (parity * g.nc * g.bs + b) * hs + j;
 #pragma unroll 8
-      for (int q = 0; q < g.nc; ++q) acc += __ldcg(src + q * stride);
-    } else {
-      const float* src = recv_s + (parity * g.nc * g.bs + b) * hs + j;
-#pragma unroll 8
-      for (int q = 0; q < g.nc; ++q) acc += src[q * g.bs * hs];
-    }
+    for (int q = 0; q < g.nc; ++q) acc += src[q * g.bs * hs];
     return acc;
   };
 
@@ -848,12 +817,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
     VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit k, delivered to k's owner.
     float* recv_next = recv_s + cur * g.nc * g.bs * hs;
-    float* part = grid ? xchg(cur, rank) : nullptr;
     auto deliver = [&](int b, int k, float v) {
       const int owner = k / hs, at = (rank * g.bs + b) * hs + (k - owner * hs);
-      if (grid)
-        __stcg(part + static_cast<int64_t>(b) * H + k, v);
-      else if (cluster)
+      if (cluster)
         mbox.send(owner, smem_u32(recv_next + at), cur, v);
       else
         recv_next[at] = v;
