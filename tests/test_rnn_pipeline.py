@@ -83,7 +83,7 @@ def test_pipeline_rule():
     eight = "cluster 8 blocks x 8 groups, 32 units and 1 samples per block, shared memory 132/134 KiB"
     assert concurrency.pipeline_chunks(eight, 2, 480, 132) == 1  # 128 blocks: no SMs left for the GEMMs
     assert concurrency.pipeline_chunks(eight, 2, 480, 256) == 8
-    grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 6 samples at a time"
+    grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 512 columns at a time"
     assert concurrency.pipeline_chunks(grid, 2, 480, 1000) == 1
 
 

@@ -2,15 +2,18 @@
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups]   (default LSTM, fp32, 1 group; 480 steps,
 // each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
-// reduce-scatter backward where they fit). Several groups make the batch's tensors outgrow L2, as in
+// reduce-scatter backward where they fit; nc > 16: the grid kernels, launched cooperatively, h staged
+// in the chunks the planner would pick). Several groups make the batch's tensors outgrow L2, as in
 // the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0,
 // the fused kernels do not ask L2 for the step after next's inputs (the A/B of BENCHMARKS.md, ninth session).
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
+#include "rnn_grid_kernels.cuh"
 #include "rnn_scatter_kernel.cuh"
 
 using namespace vlseq::rnn;
@@ -19,6 +22,20 @@ namespace vlseq::rnn {  // the library's kernel tables, instantiated here as rnn
 VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel, rnn_forward_fused_kernel)
 VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel, rnn_backward_fused_kernel)
 VLSEQ_RNN_SCATTER_TABLE(backward_scatter_kernel)
+const void* grid_forward_kernel(Cell c, Weights w, int bt) {
+  const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;
+  if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, float)
+  if (fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, float)
+  if (lstm) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, __nv_bfloat16)
+  VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, __nv_bfloat16)
+}
+const void* grid_backward_kernel(Cell c, Weights w, int bt) {
+  const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;
+  if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kLSTM, float)
+  if (fp32) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kGRU, float)
+  if (lstm) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kLSTM, __nv_bfloat16)
+  VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kGRU, __nv_bfloat16)
+}
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -31,7 +48,7 @@ float* upload(size_t n, float scale) {
 }
 
 template <typename A>
-void launch(const void* kernel, const A& args, int blocks, int nc, int smem) {
+void launch(const void* kernel, const A& args, int blocks, int nc, int smem, bool grid = false) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   cudaLaunchConfig_t cfg = {};
@@ -39,8 +56,13 @@ void launch(const void* kernel, const A& args, int blocks, int nc, int smem) {
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cudaLaunchAttribute at = {};
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = nc, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+  if (grid) {
+    at.id = cudaLaunchAttributeCooperative;
+    at.val.cooperative = 1;
+  } else {
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = nc, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+  }
   cfg.attrs = &at;
   cfg.numAttrs = nc > 1 ? 1 : 0;
   cudaEvent_t a, b;
@@ -101,6 +123,38 @@ int main(int argc, char** argv) {
   static const char* fused_names[] = {"products", "cell+send", "stores+prefetch", "wait"};
   const int Kp = (H + 3) / 4 * 4, Kb = 4 * H;
   const bool fused = !bf16 && fits_fused(G, H, hs, B, bt);
+  if (nc > kMaxCluster) {  // the grid kernels
+    g.sync = Sync::kGrid;
+    cudaDeviceProp p;
+    cudaGetDeviceProperties(&p, 0);
+    for (int n = 1; n <= Kp / 16; ++n) {
+      g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
+      if (GridForwardSmem(g, G, wbytes, bt).total <= static_cast<int>(p.sharedMemPerBlockOptin)) break;
+    }
+    printf(" grid, h staged %d columns at a time:\n", g.chunk);
+    fa.g = g;
+    float* fx;
+    unsigned* arrivals;
+    cudaMalloc(&fx, (size_t)2 * groups * B * Kp * 4);
+    cudaMemset(fx, 0, (size_t)2 * groups * B * Kp * 4);
+    cudaMalloc(&arrivals, groups * 4);
+    cudaMemset(arrivals, 0, groups * 4);
+    fa.xchg = fx, fa.arrivals = arrivals;
+    static const char* gf[] = {"stage0", "products", "reduce+sync", "cell", "arrive", "stores+prefetch", "wait"};
+    launch(grid_forward_kernel(cell, wt, bt), fa, blocks, nc, GridForwardSmem(g, G, wbytes, bt).total, true);
+    report(0, 7, T, gf);
+    float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
+    float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);
+    float* bx;
+    cudaMalloc(&bx, (size_t)2 * groups * nc * B * nc * hs * 4);
+    cudaMemset(arrivals, 0, groups * 4);
+    BackwardArgs ba{g, w, y, saved, lstm ? cs : nullptr, h0, lstm ? c0 : nullptr, dlens, nullptr, dy, nullptr, nullptr,
+                    dgates, lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, bx, arrivals};
+    static const char* gb[] = {"gather", "cell+sync", "products+partials", "arrive", "stores+prefetch", "wait"};
+    launch(grid_backward_kernel(cell, wt, bt), ba, blocks, nc, GridBackwardSmem(g, G, wbytes, bt).total, true);
+    report(1, 6, T, gb);
+    return 0;
+  }
   for (bool f : {false, true}) {
     if (f && !fused) continue;
     if (f) printf(" fused:\n");

@@ -25,6 +25,12 @@
 namespace vlseq::rnn {
 
 constexpr int kGridRows = 8;  // rows of a product tile (forward: rows of W_hh; backward: hidden units)
+// Iterations of a tile's k loop unrolled: the 8-row tile's weights and 64 sums take most registers, and
+// 2 measured slower (BENCHMARKS.md, tenth session, run 4). -DVLSEQ_RNN_GRID_UNROLL=n for the probe's A/B.
+#ifndef VLSEQ_RNN_GRID_UNROLL
+#define VLSEQ_RNN_GRID_UNROLL 1
+#endif
+constexpr int kGridUnroll = VLSEQ_RNN_GRID_UNROLL;
 
 // Dynamic shared memory of the grid forward: the block's rows of W_hh (rows padded to kGridRows,
 // columns to Kp + 4), two buffers of h (the group's samples padded to the batch tile, g.chunk columns
@@ -88,7 +94,7 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int RT, int BT, typename WT>
 __device__ __forceinline__ void tile_fma(float (&acc)[RT * BT], const WT* w, int wrow, const float* v, int ldv, int k4b,
                                          int k4e, int step) {
-#pragma unroll 1  // the 8-row tile's weights and 64 sums take most registers: no second iteration in flight
+#pragma unroll kGridUnroll
   for (int k4 = k4b; k4 < k4e; k4 += step) {
     float4 wv[RT];
 #pragma unroll
@@ -235,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
     for (int i = 0; i < kMaxItems; ++i)
 #pragma unroll
       for (int k = 0; k < G; ++k) x[i][k] = xnext[i][k];
+    VLSEQ_MARK(0, 0, s);
     stage(0);
     if (nch > 1) stage(1);
     float acc[N];
@@ -247,23 +254,27 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       else
         cp_async_wait<0>();
       __syncthreads();
+      if (ch == 0) VLSEQ_MARK(0, 1, s);
       if (busy)
         tile_fma<RT, BT>(acc, w_s + r0 * ldw + ch * kc, ldw, h_s + ((ch & 1) * bsp + sb) * ldh, ldh, q,
                          min(kc, Kp - ch * kc) / 4, ks);
       __syncthreads();  // every thread is done with buffer ch & 1 before chunk ch + 2 refills it
       if (ch + 2 < nch) stage(ch + 2);
     }
+    VLSEQ_MARK(0, 2, s);
     int first, n;
     bool owner;
     lane_reduce_scatter(acc, ks, first, n, owner);
     if (busy && owner) {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
+        if (i == n) break;
         const int e = first + i, r = r0 + e / BT, b = sb + e % BT;
-        if (i < n && r < R && b < bv) gates_s[b * R + r] = acc[i];
+        if (r < R && b < bv) gates_s[b * R + r] = acc[i];
       }
     }
     __syncthreads();
+    VLSEQ_MARK(0, 3, s);
     // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
     float out[kMaxItems][4];
     bool live[kMaxItems];
@@ -278,7 +289,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
       __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h[i]);
     }
+    VLSEQ_MARK(0, 4, s);
     bar.arrive();
+    VLSEQ_MARK(0, 5, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
@@ -288,6 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c[i];
     }
     load_step_inputs(a, blk, it, lens, s + 1, xnext);
+    VLSEQ_MARK(0, 6, s);
     bar.wait();
   }
 #pragma unroll
@@ -391,7 +405,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     for (int i = 0; i < kMaxItems; ++i)
 #pragma unroll
       for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
+    VLSEQ_MARK(1, 0, s);
     if (s + 1 < smax) gather(cur ^ 1, s + 1);  // dh_t from step s+1's partials
+    VLSEQ_MARK(1, 1, s);
     float rg[kMaxItems][4], dn[kMaxItems];
     bool live[kMaxItems];
 #pragma unroll
@@ -413,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       for (int k = 0; k < G; ++k) dgb[k * hs] = rg[i][k];
     }
     __syncthreads();
+    VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit, to this block's slot of parity cur.
     float* part = xchg(cur, rank);
     for (int first_tile = 0; first_tile < tiles; first_tile += kThreads / ks) {
@@ -429,12 +446,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       if (busy && owner) {
 #pragma unroll
         for (int i = 0; i < N; ++i) {
+          if (i == n) break;
           const int e = first + i, k = kt + nkt * (e / BT), b = sb + e % BT;
-          if (i < n && k < H && b < bv && s < lens[b]) __stcg(part + static_cast<int64_t>(b) * Kx + k, acc[i]);
+          if (k < H && b < bv && s < lens[b]) __stcg(part + static_cast<int64_t>(b) * Kx + k, acc[i]);
         }
       }
     }
+    VLSEQ_MARK(1, 3, s);
     bar.arrive();
+    VLSEQ_MARK(1, 4, s);
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       if (!live[i]) continue;
@@ -442,6 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       store_gate_grads<C>(a, step_row(g, blk, b, lens[b], s), j0 + it.j[i], rg[i], dn[i]);
     }
     prefetch(s - 1);
+    VLSEQ_MARK(1, 5, s);
     bar.wait();
   }
   gather(0, 0);
