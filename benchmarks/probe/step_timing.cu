@@ -22,20 +22,8 @@ namespace vlseq::rnn {  // the library's kernel tables, instantiated here as rnn
 VLSEQ_RNN_KERNEL_TABLE(forward_kernel, rnn_forward_kernel, rnn_forward_fused_kernel)
 VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel, rnn_backward_fused_kernel)
 VLSEQ_RNN_SCATTER_TABLE(backward_scatter_kernel)
-const void* grid_forward_kernel(Cell c, Weights w, int bt) {
-  const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;
-  if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, float)
-  if (fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, float)
-  if (lstm) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, __nv_bfloat16)
-  VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, __nv_bfloat16)
-}
-const void* grid_backward_kernel(Cell c, Weights w, int bt) {
-  const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;
-  if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kLSTM, float)
-  if (fp32) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kGRU, float)
-  if (lstm) VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kLSTM, __nv_bfloat16)
-  VLSEQ_RNN_GRID_SWITCH(rnn_backward_grid_kernel, Cell::kGRU, __nv_bfloat16)
-}
+VLSEQ_RNN_GRID_TABLE(grid_forward_kernel, rnn_forward_grid_kernel)
+VLSEQ_RNN_GRID_TABLE(grid_backward_kernel, rnn_backward_grid_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {

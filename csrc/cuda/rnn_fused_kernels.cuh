@@ -290,22 +290,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
     VLSEQ_MARK(0, 1, s);
     const bool live = ln.mine && s < len;
-    float out[5];
+    float out[4];
     if (live) {
 #pragma unroll
       for (int q = 0; q < G; ++q) gh[q] += bias[q];
-      if constexpr (C == Cell::kLSTM) {
-        const float ig = sigmoid(x[0] + gh[0]), fg = sigmoid(x[1] + gh[1]);
-        const float gg = tanhf(x[2] + gh[2]), og = sigmoid(x[3] + gh[3]);
-        c = fg * c + ig * gg;
-        h = og * tanhf(c);
-        out[0] = ig, out[1] = fg, out[2] = gg, out[3] = og;
-      } else {
-        const float r = sigmoid(x[0] + gh[0]), z = sigmoid(x[1] + gh[1]);
-        const float n = tanhf(x[2] + r * gh[2]);
-        h = (1.0f - z) * n + z * h;
-        out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
-      }
+      forward_cell<C>(x, gh, h, c, out);
     }
     if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);

@@ -4,12 +4,6 @@
 
 namespace vlseq::rnn {
 
-const void* grid_forward_kernel(Cell c, Weights w, int bt) {
-  const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;
-  if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, float)
-  if (fp32) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, float)
-  if (lstm) VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kLSTM, __nv_bfloat16)
-  VLSEQ_RNN_GRID_SWITCH(rnn_forward_grid_kernel, Cell::kGRU, __nv_bfloat16)
-}
+VLSEQ_RNN_GRID_TABLE(grid_forward_kernel, rnn_forward_grid_kernel)
 
 }  // namespace vlseq::rnn

@@ -11,7 +11,7 @@
 //  - the forward stages h_{t-1} of the group's samples in chunks of k columns with cp.async into two
 //    buffers: the L2 reads of chunk c + 1 run under the products of chunk c (cp.async.cg reads L2,
 //    never a stale L1 line);
-//  - the lanes that split a tile's sums end with a reduce-scatter butterfly (lane_reduce_scatter):
+//  - the lanes that split a tile's sums end with a reduce-scatter butterfly (store_lane_totals):
 //    each level a lane keeps half of its values and adds its partner's half of them, 60 shuffles for
 //    64 values over 16 lanes where a full butterfly takes 256;
 //  - the backward sums the nc partials of its units with float4 loads spread over the block's threads
@@ -89,31 +89,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// acc[i * BT + j] += sum over chunks k4 = k4b, k4b + step, ... < k4e of W row i . v row j, where row i
-// of W starts at w + i * wrow and row j of v at v + j * ldv (chunk k4 at 4 * k4).
-template <int RT, int BT, typename WT>
-__device__ __forceinline__ void tile_fma(float (&acc)[RT * BT], const WT* w, int wrow, const float* v, int ldv, int k4b,
-                                         int k4e, int step) {
-#pragma unroll kGridUnroll
-  for (int k4 = k4b; k4 < k4e; k4 += step) {
-    float4 wv[RT];
-#pragma unroll
-    for (int i = 0; i < RT; ++i) wv[i] = load4(w + i * wrow + 4 * k4);
-#pragma unroll
-    for (int j = 0; j < BT; ++j) {
-      const float4 x = *reinterpret_cast<const float4*>(v + j * ldv + 4 * k4);
-#pragma unroll
-      for (int i = 0; i < RT; ++i) {
-        float& sum = acc[i * BT + j];
-        sum = fmaf(wv[i].x, x.x, sum);
-        sum = fmaf(wv[i].y, x.y, sum);
-        sum = fmaf(wv[i].z, x.z, sum);
-        sum = fmaf(wv[i].w, x.w, sum);
-      }
-    }
-  }
-}
-
 // The ks consecutive lanes (a power of 2) that split the sums v[0..N) combine them: at each level (lane
 // offset 1, 2, 4, ...) a lane keeps one half of its values (the upper if its offset bit is set) and
 // adds its partner's copy of that half. After log2(ks) levels lane q holds N / ks totals, v[0..n), of
@@ -143,28 +118,18 @@ __device__ __forceinline__ void halve_levels(float (&v)[N], int ks, int off, int
     for (; off < ks; off *= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
   }
 }
-template <int N>
-__device__ __forceinline__ void lane_reduce_scatter(float (&v)[N], int ks, int& first, int& n, bool& owner) {
-  first = 0, n = N, owner = true;
+// The tile's sums v, combined over its ks lanes; store(e, total) for each total of index e this lane
+// holds and stores (if `busy`: the tile is real and was multiplied).
+template <int N, typename Store>
+__device__ __forceinline__ void store_lane_totals(float (&v)[N], int ks, bool busy, Store&& store) {
+  int first = 0, n = N;
+  bool owner = true;
   halve_levels<N>(v, ks, 1, first, n, owner);
-}
-
-// The cell's forward for one (sample, unit): x the input projections, gh the recurrent products with
-// b_hh; h, c the state (GRU: c unused); out what the backward reads (LSTM i, f, g, o; GRU r, z, n, gh_n).
-template <Cell C, int G>
-__device__ __forceinline__ void forward_cell(const float (&x)[G], const float (&gh)[G], float& h, float& c,
-                                             float (&out)[4]) {
-  if constexpr (C == Cell::kLSTM) {
-    const float ig = sigmoid(x[0] + gh[0]), fg = sigmoid(x[1] + gh[1]);
-    const float gg = tanhf(x[2] + gh[2]), og = sigmoid(x[3] + gh[3]);
-    c = fg * c + ig * gg;
-    h = og * tanhf(c);
-    out[0] = ig, out[1] = fg, out[2] = gg, out[3] = og;
-  } else {
-    const float r = sigmoid(x[0] + gh[0]), z = sigmoid(x[1] + gh[1]);
-    const float n = tanhf(x[2] + r * gh[2]);
-    h = (1.0f - z) * n + z * h;
-    out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
+  if (!busy || !owner) return;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i == n) break;
+    store(first + i, v[i]);
   }
 }
 
@@ -256,23 +221,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       __syncthreads();
       if (ch == 0) VLSEQ_MARK(0, 1, s);
       if (busy)
-        tile_fma<RT, BT>(acc, w_s + r0 * ldw + ch * kc, ldw, h_s + ((ch & 1) * bsp + sb) * ldh, ldh, q,
+        tile_fma<RT, BT, kGridUnroll>(acc, w_s + r0 * ldw + ch * kc, ldw, h_s + ((ch & 1) * bsp + sb) * ldh, ldh, q,
                          min(kc, Kp - ch * kc) / 4, ks);
       __syncthreads();  // every thread is done with buffer ch & 1 before chunk ch + 2 refills it
       if (ch + 2 < nch) stage(ch + 2);
     }
     VLSEQ_MARK(0, 2, s);
-    int first, n;
-    bool owner;
-    lane_reduce_scatter(acc, ks, first, n, owner);
-    if (busy && owner) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        if (i == n) break;
-        const int e = first + i, r = r0 + e / BT, b = sb + e % BT;
-        if (r < R && b < bv) gates_s[b * R + r] = acc[i];
-      }
-    }
+    store_lane_totals(acc, ks, busy, [&](int e, float v) {
+      const int r = r0 + e / BT, b = sb + e % BT;
+      if (r < R && b < bv) gates_s[b * R + r] = v;
+    });
     __syncthreads();
     VLSEQ_MARK(0, 3, s);
     // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
@@ -439,18 +397,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       float acc[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      if (busy) tile_fma<RT, BT>(acc, wt_s + kt * ldt, nkt * ldt, dg_s + sb * Rp, Rp, q, Rp / 4, ks);
-      int first, n;
-      bool owner;
-      lane_reduce_scatter(acc, ks, first, n, owner);
-      if (busy && owner) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-          if (i == n) break;
-          const int e = first + i, k = kt + nkt * (e / BT), b = sb + e % BT;
-          if (k < H && b < bv && s < lens[b]) __stcg(part + static_cast<int64_t>(b) * Kx + k, acc[i]);
-        }
-      }
+      if (busy) tile_fma<RT, BT, kGridUnroll>(acc, wt_s + kt * ldt, nkt * ldt, dg_s + sb * Rp, Rp, q, Rp / 4, ks);
+      store_lane_totals(acc, ks, busy, [&](int e, float v) {
+        const int k = kt + nkt * (e / BT), b = sb + e % BT;
+        if (k < H && b < bv && s < lens[b]) __stcg(part + static_cast<int64_t>(b) * Kx + k, v);
+      });
     }
     VLSEQ_MARK(1, 3, s);
     bar.arrive();
@@ -477,13 +428,22 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 #endif
 }
 
-// The grid kernels of a cell, weight precision and batch tile (rnn_grid_forward.cu, rnn_grid_backward.cu).
-#define VLSEQ_RNN_GRID_SWITCH(KERNEL, CELL, WT)                                             \
-  switch (bt) {                                                                             \
-    case 1: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 1>);                     \
-    case 2: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 2>);                     \
-    case 4: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 4>);                     \
-    default: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 8>);                    \
+// The function NAME returning KERNEL for a cell, weight precision and batch tile (rnn_grid_forward.cu,
+// rnn_grid_backward.cu, and the probe, which does not link the library).
+#define VLSEQ_RNN_GRID_SWITCH(KERNEL, CELL, WT)                         \
+  switch (bt) {                                                         \
+    case 1: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 1>); \
+    case 2: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 2>); \
+    case 4: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 4>); \
+    default: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 8>); \
+  }
+#define VLSEQ_RNN_GRID_TABLE(NAME, KERNEL)                                \
+  const void* NAME(Cell c, Weights w, int bt) {                           \
+    const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;       \
+    if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, float)   \
+    if (fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, float)            \
+    if (lstm) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)   \
+    VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)              \
   }
 
 #endif  // __CUDACC__

@@ -407,6 +407,32 @@ __device__ __forceinline__ void lane_sum(float (&v)[N], int ks) {
   }
 }
 
+// acc[i * BT + j] += sum over chunks k4 = k4b, k4b + step, ... < k4e of W row i . v row j, where row i
+// of W starts at w + i * wrow and row j of v at v + j * ldv (chunk k4 at 4 * k4); UNROLL iterations
+// unrolled.
+template <int RT, int BT, int UNROLL, typename WT>
+__device__ __forceinline__ void tile_fma(float (&acc)[RT * BT], const WT* w, int wrow, const float* v, int ldv, int k4b,
+                                         int k4e, int step) {
+#pragma unroll UNROLL
+  for (int k4 = k4b; k4 < k4e; k4 += step) {
+    float4 wv[RT];
+#pragma unroll
+    for (int i = 0; i < RT; ++i) wv[i] = load4(w + i * wrow + 4 * k4);
+#pragma unroll
+    for (int j = 0; j < BT; ++j) {
+      const float4 x = *reinterpret_cast<const float4*>(v + j * ldv + 4 * k4);
+#pragma unroll
+      for (int i = 0; i < RT; ++i) {
+        float& sum = acc[i * BT + j];
+        sum = fmaf(wv[i].x, x.x, sum);
+        sum = fmaf(wv[i].y, x.y, sum);
+        sum = fmaf(wv[i].z, x.z, sum);
+        sum = fmaf(wv[i].w, x.w, sum);
+      }
+    }
+  }
+}
+
 // store(b, r, sum_k W[r * ldw + k] * v[b * ldv + k]) for r < rows, b < nb, k < 4 * k4n.
 // Tiles of kRowTile rows x BT samples per thread group of `ks` consecutive lanes, which split k in
 // interleaved float4 chunks and combine with a butterfly: a fixed order, the same bits every run.
@@ -427,26 +453,7 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
     float acc[kRowTile * BT];  // row i, sample j at i * BT + j
 #pragma unroll
     for (int i = 0; i < kRowTile * BT; ++i) acc[i] = 0.0f;
-    const WT* w0 = W + r0 * ldw;
-    const float* v0 = v + b0 * ldv;
-#pragma unroll 2
-    for (int k4 = q; k4 < k4n; k4 += ks) {
-      float4 w[kRowTile];
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i) w[i] = load4(w0 + i * ldw + 4 * k4);
-#pragma unroll
-      for (int j = 0; j < BT; ++j) {
-        const float4 x = *reinterpret_cast<const float4*>(v0 + j * ldv + 4 * k4);
-#pragma unroll
-        for (int i = 0; i < kRowTile; ++i) {
-          float& sum = acc[i * BT + j];
-          sum = fmaf(w[i].x, x.x, sum);
-          sum = fmaf(w[i].y, x.y, sum);
-          sum = fmaf(w[i].z, x.z, sum);
-          sum = fmaf(w[i].w, x.w, sum);
-        }
-      }
-    }
+    tile_fma<kRowTile, BT, 2>(acc, W + r0 * ldw, ldw, v + b0 * ldv, ldv, q, k4n, ks);
     lane_sum(acc, ks);
     if (q == 0 && tile_raw < ntiles) {
 #pragma unroll
@@ -455,6 +462,26 @@ __device__ __forceinline__ void matvec(const WT* W, int ldw, int rows, int k4n, 
         for (int j = 0; j < BT; ++j)
           if (r0 + i < rows && b0 + j < nb) store(b0 + j, r0 + i, acc[i * BT + j]);
     }
+  }
+}
+
+// The cell's forward for one (sample, unit) (the fused and the grid kernels): x the input projections,
+// gh the recurrent products with b_hh; h, c the state (GRU: c unused); out what the backward reads
+// (LSTM i, f, g, o; GRU r, z, n, gh_n).
+template <Cell C, int G>
+__device__ __forceinline__ void forward_cell(const float (&x)[G], const float (&gh)[G], float& h, float& c,
+                                             float (&out)[4]) {
+  if constexpr (C == Cell::kLSTM) {
+    const float ig = sigmoid(x[0] + gh[0]), fg = sigmoid(x[1] + gh[1]);
+    const float gg = tanhf(x[2] + gh[2]), og = sigmoid(x[3] + gh[3]);
+    c = fg * c + ig * gg;
+    h = og * tanhf(c);
+    out[0] = ig, out[1] = fg, out[2] = gg, out[3] = og;
+  } else {
+    const float r = sigmoid(x[0] + gh[0]), z = sigmoid(x[1] + gh[1]);
+    const float n = tanhf(x[2] + r * gh[2]);
+    h = (1.0f - z) * n + z * h;
+    out[0] = r, out[1] = z, out[2] = n, out[3] = gh[2];
   }
 }
 
