@@ -1,6 +1,7 @@
 // Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
-// Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups]   (default LSTM, fp32, 1 group; 480 steps,
+// Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups] [bt]   (default LSTM, fp32, 1 group, the
+// batch tile the planner would take; 480 steps,
 // each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
 // reduce-scatter backward where they fit; nc > 16: the grid kernels, launched cooperatively, h staged
 // in the chunks the planner would pick). Several groups make the batch's tensors outgrow L2, as in
@@ -103,7 +104,7 @@ int main(int argc, char** argv) {
   float *h0 = upload(Bt * H, 0.5f), *c0 = upload(Bt * H, 0.5f);
   float *y = upload((size_t)Bt * T * H, 0), *hn = upload(Bt * H, 0), *cn = upload(Bt * H, 0);
   float *saved = upload((size_t)Bt * T * 4 * H, 0), *cs = upload((size_t)Bt * T * H, 0);
-  const int bt = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
+  const int bt = argc > 7 ? atoi(argv[7]) : B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
   ForwardArgs fa{g, xp, w, bias, h0, lstm ? c0 : nullptr, dlens, nullptr, y, hn, lstm ? cn : nullptr, saved,
                  lstm ? cs : nullptr, nullptr, nullptr};
   static const char* fnames[] = {"matvec", "wait+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
