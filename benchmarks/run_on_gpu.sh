@@ -12,7 +12,7 @@
 #                                          # 1-NN DTW and RDST (aeon from the wheels in .whl/ when missing)
 #   bash benchmarks/run_on_gpu.sh tsc-cpu  # the same suite's CPU runs of SeqClassifier (5 seeds x 2 sets)
 #   bash benchmarks/run_on_gpu.sh probe    # step timings of the recurrent kernels (benchmarks/probe/step_timing.cu)
-#                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16] [groups]", ';'-separated;
+#                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16] [groups] [bt]", ';'-separated;
 #                                          # built into $PROBE_BIN unless that exists)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
