@@ -250,14 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
     VLSEQ_MARK(0, 4, s);
     bar.arrive();
     VLSEQ_MARK(0, 5, s);
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      if (!live[i]) continue;
-      const int64_t row = step_row(g, blk, it.b[i], lens[it.b[i]], s), unit = j0 + it.j[i];
-      a.y[row * H + unit] = h[i];
-      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[i][0], out[i][1], out[i][2], out[i][3]);
-      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c[i];
-    }
+    store_step_outputs<C>(a, blk, it, lens, s, live, h, c, out);
     load_step_inputs(a, blk, it, lens, s + 1, xnext);
     VLSEQ_MARK(0, 6, s);
     bar.wait();

@@ -538,6 +538,24 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
     lens[b] = b < blk.bv ? static_cast<int>(clamp_length(lengths[blk.b0 + b], g.T)) : 0;
 }
 
+// The outputs at step s of this thread's pairs still running (`live`): y = h, saved = out (what the
+// backward reads, forward_cell), cs = c (LSTM).
+template <Cell C>
+__device__ __forceinline__ void store_step_outputs(const ForwardArgs& a, const Block& blk, const Items& it,
+                                                   const int* lens, int s, const bool (&live)[kMaxItems],
+                                                   const float (&h)[kMaxItems], const float (&c)[kMaxItems],
+                                                   const float (&out)[kMaxItems][4]) {
+  const int H = a.g.H;
+#pragma unroll
+  for (int i = 0; i < kMaxItems; ++i) {
+    if (!live[i]) continue;
+    const int64_t row = step_row(a.g, blk, it.b[i], lens[it.b[i]], s), unit = blk.j0 + it.j[i];
+    a.y[row * H + unit] = h[i];
+    reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[i][0], out[i][1], out[i][2], out[i][3]);
+    if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c[i];
+  }
+}
+
 // The input projections at step s of this thread's pairs still running, into x (loaded a step ahead:
 // their latency hides behind the barrier and the next products), and a request to L2 for step s + 1's
 // (a batch's projections outgrow L2; the next register loads then find them there).
@@ -637,33 +655,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     VLSEQ_MARK(0, 2, s);
     // The cell, for this thread's (sample, unit) pairs still running. Outputs stay in registers
     // until the barrier has been arrived at.
-    float out[kMaxItems][6];
+    float out[kMaxItems][4], hnew[kMaxItems], cnew[kMaxItems];
     bool live[kMaxItems];
 #pragma unroll
     for (int i = 0; i < kMaxItems; ++i) {
       const int b = it.b[i], j = it.j[i];
       live[i] = b >= 0 && s < lens[b];
       if (!live[i]) continue;
-      const float* gb = gates_s + b * R + j;  // gate q at gb[q * hs]
-      if constexpr (C == Cell::kLSTM) {
-        const float ig = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
-        const float fg = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float gg = tanhf(x[i][2] + (gb[2 * hs] + bias[i][2]));
-        const float og = sigmoid(x[i][3] + (gb[3 * hs] + bias[i][3]));
-        const float c = fg * cown[b * hs + j] + ig * gg;
-        const float h = og * tanhf(c);
-        cown[b * hs + j] = c;
-        hown[b * hs + j] = h;
-        out[i][0] = h, out[i][1] = ig, out[i][2] = fg, out[i][3] = gg, out[i][4] = og, out[i][5] = c;
-      } else {
-        const float ghn = gb[2 * hs] + bias[i][2];
-        const float r = sigmoid(x[i][0] + (gb[0] + bias[i][0]));
-        const float z = sigmoid(x[i][1] + (gb[hs] + bias[i][1]));
-        const float n = tanhf(x[i][2] + r * ghn);
-        const float h = (1.0f - z) * n + z * hown[b * hs + j];
-        hown[b * hs + j] = h;
-        out[i][0] = h, out[i][1] = r, out[i][2] = z, out[i][3] = n, out[i][4] = ghn;
-      }
+      float gh[G];
+#pragma unroll
+      for (int q = 0; q < G; ++q) gh[q] = gates_s[b * R + q * hs + j] + bias[i][q];
+      hnew[i] = hown[b * hs + j], cnew[i] = cown[b * hs + j];
+      forward_cell<C>(x[i], gh, hnew[i], cnew[i], out[i]);
+      hown[b * hs + j] = hnew[i], cown[b * hs + j] = cnew[i];
     }
     __syncthreads();
     VLSEQ_MARK(0, 3, s);
@@ -688,14 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     VLSEQ_MARK(0, 4, s);
     if (!cluster) bar.arrive();
     VLSEQ_MARK(0, 5, s);
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      if (!live[i]) continue;
-      const int64_t row = step_row(g, blk, it.b[i], lens[it.b[i]], s), unit = j0 + it.j[i];
-      a.y[row * H + unit] = out[i][0];
-      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[i][1], out[i][2], out[i][3], out[i][4]);
-      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = out[i][5];
-    }
+    store_step_outputs<C>(a, blk, it, lens, s, live, hnew, cnew, out);
     load_step_inputs(a, blk, it, lens, s + 1, xnext);
     VLSEQ_MARK(0, 6, s);
     if (cluster)
