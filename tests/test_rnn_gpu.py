@@ -376,11 +376,13 @@ def test_op_single_block_reduce_scatter_against_the_cpu_op(rand, cell):
     ("lstm", 1000, [30], True),
     ("gru", 604, [5, 30, 0, 11, 30], False),
     ("lstm", 516, list(range(1, 31)) + [0, 30, 7], False),
+    ("gru", 1001, [30, 4, 17, 1], True),
 ])
 def test_op_grid_layout_against_the_cpu_op(rand, cell, H, lens, reverse):
     """The grid kernels (W_hh over more than a cluster): every output of both ops against the CPU
-    kernels, with lengths that tie, end at 0 and 1, a last block with fewer units (H 604, 516),
-    one sample, more samples than a batch tile, both directions."""
+    kernels, with lengths that tie, end at 0 and 1, a last block with fewer units (H 604, 516, 1001),
+    a hidden size that is not a multiple of 4 (1001), one sample, more samples than a batch tile, both
+    directions."""
     plan = ops.rnn_plan(cell, H, len(lens), "fp32", DEV)
     assert plan.startswith("grid"), plan
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse)
