@@ -121,6 +121,20 @@ def test_fallback_warns_once_per_reason(rand):
         vnn.GRU(3, 4, kernels="auto")(rand.randn(2, 5, 3))  # "auto" picks silently
 
 
+def test_fallback_reason_names_the_batch_when_one_sample_fits(monkeypatch):
+    """A layer whose W_hh fits but whose batch is more than the layouts hold (e.g. LSTM 1024 with
+    hundreds of samples) says so, not that its hidden size does not fit."""
+    monkeypatch.setattr(modules, "CPU_KERNELS", True)
+    x = torch.randn(300, 3, 4)
+    m = vnn.LSTM(4, 1024)
+    monkeypatch.setattr(m, "_plan", lambda batch, device: "grid 128 blocks x 1 groups" if batch <= 128 else "")
+    reason = m.kernel_fallback_reason(x, 300)
+    assert "batch of 300 samples" in reason and "smaller batches" in reason, reason
+    assert m.kernel_fallback_reason(x, 128) is None
+    monkeypatch.setattr(m, "_plan", lambda batch, device: "")
+    assert "hidden size 1024 does not fit" in m.kernel_fallback_reason(x, 300)
+
+
 def test_use_kernels_swaps_in_place_keeping_parameters():
     class Net(nn.Module):
         def __init__(self):

@@ -85,6 +85,9 @@ class _KernelRNN:
             return "parameters and input are on different devices"
         if not self._plan(batch, x.device):
             cell = "lstm" if isinstance(self, nn.LSTM) else "gru"
+            if batch > 1 and self._plan(1, x.device):  # W_hh fits: the batch is what does not
+                return (f"a batch of {batch} samples of a {cell} of hidden size {self.hidden_size} is more "
+                        f"than the kernels hold at once on {x.device} (smaller batches run on them)")
             return f"a {cell} of hidden size {self.hidden_size} does not fit the kernels on {x.device}"
         return None
 
