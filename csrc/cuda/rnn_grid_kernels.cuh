@@ -32,6 +32,11 @@ constexpr int kGridRows = 8;  // rows of a product tile (forward: rows of W_hh; 
 #define VLSEQ_RNN_GRID_UNROLL 1
 #endif
 constexpr int kGridUnroll = VLSEQ_RNN_GRID_UNROLL;
+// Partials a backward thread has in flight while it gathers dh (-DVLSEQ_RNN_GATHER_LOADS=n for the probe's A/B).
+#ifndef VLSEQ_RNN_GATHER_LOADS
+#define VLSEQ_RNN_GATHER_LOADS 8
+#endif
+constexpr int kGatherLoads = VLSEQ_RNN_GATHER_LOADS;
 
 // Dynamic shared memory of the grid forward: the block's rows of W_hh (rows padded to kGridRows,
 // columns to Kp + 4), two buffers of h (the group's samples padded to the batch tile, g.chunk columns
@@ -49,18 +54,20 @@ struct GridForwardSmem {
   }
 };
 
-// Of the grid backward: W_hh's block rows transposed ([k][r], k padded to kGridRows, r to Rp + 4), the
-// step's gate gradients (samples padded to the batch tile x Rp), the slices' sums of the received
-// partials (float4s), the lengths.
+// Of the grid backward: W_hh's block rows transposed ([k][r], k padded to kGridRows; a row holds the Rp
+// gate rows padded to whole 128-byte lines, ldt elements, its chunks swizzled: grid_swizzle), the step's
+// gate gradients (samples padded to the batch tile x Rp), the slices' sums of the received partials
+// (float4s), the lengths.
 __host__ __device__ inline int grid_sum_slots(const Geometry& g) {
   return g.bs * ceil_div(g.hs, 4) > kThreads ? g.bs * ceil_div(g.hs, 4) : kThreads;
 }
 struct GridBackwardSmem {
-  int wt, dg, red, lens, total;
+  int ldt, wt, dg, red, lens, total;
   __host__ __device__ GridBackwardSmem(const Geometry& g, int G, int wbytes, int bt) {
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
+    ldt = round_up(Rp, 128 / wbytes);
     int off = 0;
-    wt = off, off += round_up(round_up(Kp, kGridRows) * (Rp + 4) * wbytes, 16);
+    wt = off, off += round_up(round_up(Kp, kGridRows) * ldt * wbytes, 16);
     dg = off, off += round_up(g.bs, bt) * Rp * 4;
     red = off, off += grid_sum_slots(g) * 16;
     lens = off, off += round_up(g.bs * 4, 16);
@@ -74,6 +81,14 @@ __host__ __device__ inline int grid_lanes(int tiles, int k4n) {
   while (ks < 32 && tiles * ks * 2 <= kThreads && ks * 2 <= k4n) ks *= 2;
   return ks;
 }
+
+// The backward's tile kt multiplies units kGridRows * kt .. + kGridRows - 1, so that each sample's 8
+// partials leave as two float4 stores (scalar stores had taken a fifth of the step: BENCHMARKS.md,
+// eleventh session). The 8 lanes of a quarter warp read 8 rows at the same chunk; with rows whole
+// 128-byte lines that would be one bank group, so unit tile kt keeps chunk c of its rows at chunk
+// c ^ grid_swizzle(kt): 8 (fp32; 16 for bf16's 8-byte chunks) consecutive tiles then read distinct
+// chunks. Times ks (the lanes that split a tile's chunks: q, q + ks, ...) so that the XOR keeps q.
+__host__ __device__ inline int grid_swizzle(int kt, int ks, int wbytes) { return (kt * ks) & (32 / wbytes - 1); }
 
 // The kernels for a cell, weight precision and batch tile (1, 2, 4 or 8): rnn_grid_forward.cu, rnn_grid_backward.cu.
 const void* grid_forward_kernel(Cell c, Weights w, int bt);
@@ -123,6 +138,12 @@ __device__ __forceinline__ void halve_levels(float (&v)[N], int ks, int off, int
 // holds and stores (if `busy`: the tile is real and was multiplied).
 template <int N, typename Store>
 __device__ __forceinline__ void store_lane_totals(float (&v)[N], int ks, bool busy, Store&& store) {
+  if (ks == 1) {  // one lane holds the whole tile: compile-time indices, no shuffles (the backward's case)
+    if (busy)
+#pragma unroll
+      for (int i = 0; i < N; ++i) store(i, v[i]);
+    return;
+  }
   int first = 0, n = N;
   bool owner = true;
   halve_levels<N>(v, ks, 1, first, n, owner);
@@ -149,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
   const int H = g.H, hs = g.hs, R = G * hs;
   const int Kp = round_up(H, 4), ldw = Kp + 4, kc = g.chunk, ldh = kc + 4, nch = ceil_div(Kp, kc);
   const Block blk(g);
-  const int j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x;
+  const int j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bsp = round_up(g.bs, BT);
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -193,12 +214,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
     const int cur = s & 1;
     const float* in = xchg(cur);
     // Chunk ch of h_{t-1} (columns ch * kc ..) of the samples still running, into buffer ch & 1.
+    // A warp per sample, its lanes over the columns: no division per float4, one length check per sample
+    // (staging had cost a quarter of the step's issue slots: BENCHMARKS.md, eleventh session).
     auto stage = [&](int ch) {
       const int k0 = ch * kc, n4 = min(kc, Kp - k0) / 4;
-      float* dst = h_s + (ch & 1) * bsp * ldh;
-      for (int e = tid; e < bv * n4; e += kThreads) {
-        const int b = e / n4, k4 = e - b * n4;
-        if (s < lens[b]) cp_async16(dst + b * ldh + 4 * k4, in + static_cast<int64_t>(b) * Kp + k0 + 4 * k4);
+      float* dst = h_s + (ch & 1) * bsp * ldh + 4 * lane;
+      for (int b = warp; b < bv; b += kWarps) {
+        if (s >= lens[b]) continue;
+        const float* src = in + static_cast<int64_t>(b) * Kp + k0 + 4 * lane;
+        for (int k4 = lane; k4 < n4; k4 += 32, src += 128) cp_async16(dst + b * ldh + 4 * (k4 - lane), src);
       }
       cp_async_commit();
     };
@@ -266,12 +290,31 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
 #endif
 }
 
+// The backward's W_hh^T: unit k's row at wt[k * ldt], gate row r's chunk r / 4 at chunk
+// (r / 4) ^ grid_swizzle(k / kGridRows); zero past the block's rows, the units and within the padding.
+// Read as load_weights does (k fastest: the W_hh rows' reads coalesce).
+template <typename WT>
+__device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, const float* w_hh, int G,
+                                                      const Geometry& g, const Block& blk) {
+  const int cols = round_up(round_up(g.H, 4), kGridRows);
+  for (int e = threadIdx.x; e < ldt * cols; e += kThreads) {
+    const int r = e / cols, k = e - r * cols;
+    float v = 0.0f;
+    if (r < G * g.hs && k < g.H) {
+      const int q = r / g.hs, j = r - q * g.hs;
+      if (j < blk.hv) v = w_hh[static_cast<int64_t>(q * g.H + blk.j0 + j) * g.H + k];
+    }
+    const int chunk = (r / 4) ^ grid_swizzle(k / kGridRows, ks, sizeof(WT));
+    wt[k * ldt + 4 * chunk + (r & 3)] = to_weight<WT>(v);
+  }
+}
+
 template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3, F = backward_fields(C), RT = kGridRows, N = RT * BT;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4), Rp = round_up(R, 4), ldt = Rp + 4;
+  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4), Rp = round_up(R, 4);
   const int Kx = g.nc * hs;  // exchange rows: every block's units (nc * hs >= H, a multiple of 4)
   const Block blk(g);
   const int rank = blk.rank, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x;
@@ -279,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridBackwardSmem lay(g, G, sizeof(WT), BT);
-  WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows
+  const int ldt = lay.ldt;
+  WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows, swizzled
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
   float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
@@ -288,7 +332,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     return a.xchg + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * g.nc + q) * g.bs * Kx;
   };
 
-  load_weights<true>(wt_s, ldt, ldt, round_up(Kp, RT), a.w_hh, G, g, blk);
+  // Product tiles: units RT * kt .. RT * kt + RT - 1, samples sb .. sb + BT - 1.
+  const int nkt = ceil_div(Kp, RT), tiles = nkt * ceil_div(bv, BT), ks = grid_lanes(tiles, Rp / 4);
+  load_weights_swizzled(wt_s, ldt, ks, a.w_hh, G, g, blk);
   for (int e = tid; e < bsp * Rp; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   const Items it(bv, hv);
@@ -317,10 +363,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       if (s_next < lens[b]) {
         const float4* src = reinterpret_cast<const float4*>(xchg(parity, 0) + static_cast<int64_t>(b) * Kx + j0) + u;
         const int qa = slice * g.nc / Q, qb = (slice + 1) * g.nc / Q;
-#pragma unroll 8
-        for (int q = qa; q < qb; ++q) {
-          const float4 v = __ldcg(src + q * stride);
-          acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+        // kGatherLoads loads in flight before the first add: the gather waits on L2, not on adds.
+        for (int q0 = qa; q0 < qb; q0 += kGatherLoads) {
+          float4 v[kGatherLoads];
+#pragma unroll
+          for (int u = 0; u < kGatherLoads; ++u)
+            if (q0 + u < qb) v[u] = __ldcg(src + (q0 + u) * stride);
+#pragma unroll
+          for (int u = 0; u < kGatherLoads; ++u)
+            if (q0 + u < qb) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
         }
       }
       red_s[e] = acc;
@@ -333,10 +384,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     for (int slice = 0; slice < Q; ++slice) v += r[4 * slice * P];
     return v;
   };
-
-  // Product tiles: units kt + nkt * i (i < RT: consecutive lanes read consecutive rows of wt_s, no
-  // bank conflicts; their stores of the partials coalesce), samples sb .. sb + BT - 1.
-  const int nkt = ceil_div(Kp, RT), tiles = nkt * ceil_div(bv, BT), ks = grid_lanes(tiles, Rp / 4);
 
   float pnext[kMaxItems][F];
   auto prefetch = [&](int s) {
@@ -387,15 +434,39 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     for (int first_tile = 0; first_tile < tiles; first_tile += kThreads / ks) {
       const int tile = first_tile + tid / ks, q = tid % ks;
       const int kt = tile % nkt, sb = (tile / nkt) * BT;
-      const bool busy = tile < tiles && s < longest(lens, sb, BT, bv);
+      // Bit j: sample sb + j runs at step s (past the tiles, sb >= bv: none). Read once, not per store.
+      unsigned running = 0;
+#pragma unroll
+      for (int j = 0; j < BT; ++j)
+        if (sb + j < bv && s < lens[sb + j]) running |= 1u << j;
+      const bool busy = running != 0;
       float acc[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      if (busy) tile_fma<RT, BT, kGridUnroll>(acc, wt_s + kt * ldt, nkt * ldt, dg_s + sb * Rp, Rp, q, Rp / 4, ks);
-      store_lane_totals(acc, ks, busy, [&](int e, float v) {
-        const int k = kt + nkt * (e / BT), b = sb + e % BT;
-        if (k < H && b < bv && s < lens[b]) __stcg(part + static_cast<int64_t>(b) * Kx + k, v);
-      });
+      if (busy)
+        tile_fma<RT, BT, kGridUnroll>(acc, wt_s + RT * kt * ldt, ldt, dg_s + sb * Rp, Rp, q, Rp / 4, ks,
+                                      grid_swizzle(kt, ks, sizeof(WT)));
+      // Unit u0 + i of sample sb + j goes to out[j * Kx + i]; units past H carry zeros (W^T's padding),
+      // units past Kx would be the next sample's: not stored (Kx is a multiple of 4).
+      const int u0 = RT * kt;
+      float* out = part + static_cast<int64_t>(sb) * Kx + u0;
+      if (ks == 1) {
+        if (busy)
+#pragma unroll
+          for (int j = 0; j < BT; ++j, out += Kx) {
+            if (!(running >> j & 1u)) continue;
+#pragma unroll
+            for (int i = 0; i < RT; i += 4)
+              if (u0 + i < Kx)
+                __stcg(reinterpret_cast<float4*>(out + i),
+                       make_float4(acc[i * BT + j], acc[(i + 1) * BT + j], acc[(i + 2) * BT + j], acc[(i + 3) * BT + j]));
+          }
+      } else {
+        store_lane_totals(acc, ks, busy, [&](int e, float v) {
+          const int i = e / BT, j = e % BT;
+          if (u0 + i < Kx && (running >> j & 1u)) __stcg(out + j * Kx + i, v);
+        });
+      }
     }
     VLSEQ_MARK(1, 3, s);
     bar.arrive();

@@ -408,16 +408,16 @@ __device__ __forceinline__ void lane_sum(float (&v)[N], int ks) {
 }
 
 // acc[i * BT + j] += sum over chunks k4 = k4b, k4b + step, ... < k4e of W row i . v row j, where row i
-// of W starts at w + i * wrow and row j of v at v + j * ldv (chunk k4 at 4 * k4); UNROLL iterations
-// unrolled.
+// of W starts at w + i * wrow and row j of v at v + j * ldv (chunk k4 at 4 * k4; of W, at 4 * (k4 ^ wswz):
+// the grid backward's swizzled rows); UNROLL iterations unrolled.
 template <int RT, int BT, int UNROLL, typename WT>
 __device__ __forceinline__ void tile_fma(float (&acc)[RT * BT], const WT* w, int wrow, const float* v, int ldv, int k4b,
-                                         int k4e, int step) {
+                                         int k4e, int step, int wswz = 0) {
 #pragma unroll UNROLL
   for (int k4 = k4b; k4 < k4e; k4 += step) {
     float4 wv[RT];
 #pragma unroll
-    for (int i = 0; i < RT; ++i) wv[i] = load4(w + i * wrow + 4 * k4);
+    for (int i = 0; i < RT; ++i) wv[i] = load4(w + i * wrow + 4 * (k4 ^ wswz));
 #pragma unroll
     for (int j = 0; j < BT; ++j) {
       const float4 x = *reinterpret_cast<const float4*>(v + j * ldv + 4 * k4);
