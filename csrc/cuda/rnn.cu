@@ -203,11 +203,7 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
     if (nc > sms) continue;
     if (nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
     if (static_cast<int64_t>(round_up(G * hs, kGridRows)) * (Kp + 4) * wbytes > optin) break;  // grows with hs
-    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs);
-    // fp32 past 4 samples a block: the tensor cores' 16-sample tiles (3xTF32), where a warp holds its
-    // forward tiles (BENCHMARKS.md, eleventh session).
-    int bt = batch_tile(bs);
-    if (w == Weights::kFP32 && bt == 8 && mma_tiles(G * hs, bs) <= kMmaWarpTiles * kWarps) bt = kMmaTile;
+    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
     if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
     Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
     int64_t fwd = 0;
@@ -282,7 +278,6 @@ std::string LayerPlan::describe() const {
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
          (sync == 2 ? ", h staged " + std::to_string(chunk) + " columns at a time" : "") +
-         (sync == 2 && bt == kMmaTile ? ", products on the tensor cores (3xTF32)" : "") +
          (fused_forward || fused_backward || scatter_backward
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +

@@ -38,34 +38,17 @@ constexpr int kGridUnroll = VLSEQ_RNN_GRID_UNROLL;
 #endif
 constexpr int kGatherLoads = VLSEQ_RNN_GATHER_LOADS;
 
-// Batch tile kMmaTile selects the fp32 kernels' tensor-core products: warp tiles of 16 x 16 outputs
-// from TF32 MMAs, each operand split into two TF32 halves and multiplied three times (hi.hi + hi.lo +
-// lo.hi: fp32 accuracy, the lo.lo term being below fp32's rounding). The planner takes it for fp32
-// with more than 4 samples a block where a warp keeps at most kMmaWarpTiles forward tiles.
-constexpr int kMmaTile = 16, kMmaWarpTiles = 2;
-__host__ __device__ inline int mma_tiles(int R, int bs) { return ceil_div(R, kMmaTile) * ceil_div(bs, kMmaTile); }
-// Warps that split one forward tile's k (each sums a slice; the cell adds the slices in order).
-__host__ __device__ inline int mma_slices(int tiles) { return tiles >= kWarps ? 1 : kWarps / tiles; }
-
-// Dynamic shared memory of the grid forward: the block's rows of W_hh (rows padded to the tile, ldw
-// columns), two buffers of h (the group's samples padded to the batch tile, ldh >= g.chunk columns),
-// the step's recurrent products (slices x samples x ldg, ldg >= R), the lengths. The tensor cores'
-// strides are 4 more than a multiple of 32 words: the 8 x 4 lanes of an operand fragment then read
-// 32 banks.
+// Dynamic shared memory of the grid forward: the block's rows of W_hh (rows padded to kGridRows,
+// columns to Kp + 4), two buffers of h (the group's samples padded to the batch tile, g.chunk columns
+// each plus 4 of padding), the step's recurrent products (bs x R), the lengths.
 struct GridForwardSmem {
-  int ldw, ldh, ldg, rows, slices, w, h, gates, lens, total;
+  int w, h, gates, lens, total;
   __host__ __device__ GridForwardSmem(const Geometry& g, int G, int wbytes, int bt) {
-    const bool mma = bt == kMmaTile;
-    const int R = G * g.hs, Kp = round_up(g.H, 4), bsp = round_up(g.bs, bt);
-    ldw = mma ? round_up(Kp, 32) + 4 : Kp + 4;
-    ldh = mma ? round_up(g.chunk, 32) + 4 : g.chunk + 4;
-    ldg = mma ? round_up(R, kMmaTile) : R;
-    rows = round_up(R, mma ? kMmaTile : kGridRows);
-    slices = mma ? mma_slices(mma_tiles(R, g.bs)) : 1;
+    const int R = G * g.hs, Kp = round_up(g.H, 4);
     int off = 0;
-    w = off, off += round_up(rows * ldw * wbytes, 128);
-    h = off, off += round_up(2 * bsp * ldh * 4, 128);
-    gates = off, off += round_up(slices * bsp * ldg * 4, 16);
+    w = off, off += round_up(round_up(R, kGridRows) * (Kp + 4) * wbytes, 16);
+    h = off, off += 2 * round_up(g.bs, bt) * (g.chunk + 4) * 4;
+    gates = off, off += round_up(g.bs * R * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -78,21 +61,14 @@ struct GridForwardSmem {
 __host__ __device__ inline int grid_sum_slots(const Geometry& g) {
   return g.bs * ceil_div(g.hs, 4) > kThreads ? g.bs * ceil_div(g.hs, 4) : kThreads;
 }
-// With the tensor cores (bt == kMmaTile): W_hh's block rows untransposed (rows padded to 8, the MMAs'
-// k; ldt = 8 more than a multiple of 32 words, conflict-free for the column-major fragments), the gate
-// gradients with ldg = 4 more than a multiple of 32, a 16 x 16 scratch tile for each warp.
 struct GridBackwardSmem {
-  int ldt, ldg, wt, dg, scratch, red, lens, total;
+  int ldt, wt, dg, red, lens, total;
   __host__ __device__ GridBackwardSmem(const Geometry& g, int G, int wbytes, int bt) {
-    const bool mma = bt == kMmaTile;
     const int Rp = round_up(G * g.hs, 4), Kp = round_up(g.H, 4);
-    ldt = mma ? round_up(round_up(Kp, kMmaTile), 32) + 8 : round_up(Rp, 128 / wbytes);
-    ldg = mma ? round_up(round_up(Rp, 8), 32) + 4 : Rp;
-    const int wrows = mma ? round_up(Rp, 8) : round_up(Kp, kGridRows);
+    ldt = round_up(Rp, 128 / wbytes);
     int off = 0;
-    wt = off, off += round_up(wrows * ldt * wbytes, 128);
-    dg = off, off += round_up(round_up(g.bs, bt) * ldg * 4, 128);
-    scratch = off, off += mma ? kWarps * kMmaTile * kMmaTile * 4 : 0;
+    wt = off, off += round_up(round_up(Kp, kGridRows) * ldt * wbytes, 16);
+    dg = off, off += round_up(g.bs, bt) * Rp * 4;
     red = off, off += grid_sum_slots(g) * 16;
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
@@ -127,42 +103,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// d += A B on the tensor cores, one m16n8k8 TF32 MMA: a, b and d in PTX's fragment layouts (lane =
-// 4 * g + t: a = A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4]; b = B[t][g], B[t + 4][g];
-// d = D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// v split into hi, its top 19 bits (TF32, truncated), and lo = v - hi (exact), whose low bits the
-// MMA ignores: two instructions where rounding (cvt.rna) takes more, redone for every operand of
-// every step.
-template <int N>
-__device__ __forceinline__ void split_tf32(const float (&v)[N], uint32_t (&hi)[N], uint32_t (&lo)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    hi[i] = __float_as_uint(v[i]) & 0xffffe000u;
-    lo[i] = __float_as_uint(v[i] - __uint_as_float(hi[i]));
-  }
-}
-// d += A B to fp32 accuracy: three TF32 MMAs of the operands' halves (hi.hi + hi.lo + lo.hi, the small
-// terms first; lo.lo is below fp32's rounding).
-__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
-  uint32_t ah[4], al[4], bh[2], bl[2];
-  split_tf32(a, ah, al);
-  split_tf32(b, bh, bl);
-  mma_tf32(d, al, bh);
-  mma_tf32(d, ah, bl);
-  mma_tf32(d, ah, bh);
-}
-// Whether sample n0 + lane % 16 of a 16-sample tile runs at step s, for any lane of the warp.
-__device__ __forceinline__ bool tile_running(const int* lens, int n0, int bv, int s) {
-  const int b = n0 + static_cast<int>(threadIdx.x % 16);
-  return __any_sync(0xffffffffu, b < bv && s < lens[b]);
 }
 
 // The ks consecutive lanes (a power of 2) that split the sums v[0..N) combine them: at each level (lane
@@ -225,18 +165,16 @@ __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
 template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kMma = BT == kMmaTile;
-  static_assert(!kMma || std::is_same_v<WT, float>, "the tensor-core products are fp32's");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, RT = kGridRows, N = RT * BT;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4), kc = g.chunk, nch = ceil_div(Kp, kc);
+  const int H = g.H, hs = g.hs, R = G * hs;
+  const int Kp = round_up(H, 4), ldw = Kp + 4, kc = g.chunk, ldh = kc + 4, nch = ceil_div(Kp, kc);
   const Block blk(g);
   const int j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bsp = round_up(g.bs, BT);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridForwardSmem lay(g, G, sizeof(WT), BT);
-  const int ldw = lay.ldw, ldh = lay.ldh, ldg = lay.ldg;
   WT* w_s = reinterpret_cast<WT*>(smem + lay.w);
   float* h_s = reinterpret_cast<float*>(smem + lay.h);
   float* gates_s = reinterpret_cast<float*>(smem + lay.gates);
@@ -246,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
     return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
   };
 
-  load_weights<false>(w_s, ldw, lay.rows, ldw, a.w_hh, G, g, blk);
+  load_weights<false>(w_s, ldw, round_up(R, RT), ldw, a.w_hh, G, g, blk);
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < 2 * bsp * ldh; e += kThreads) h_s[e] = 0.0f;
   const Items it(bv, hv);
@@ -265,22 +203,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  // FFMA: this thread's tile, rows r0 .. r0 + RT - 1 of W, samples sb .. sb + BT - 1; lanes q of ks split k.
+  // This thread's tile: rows r0 .. r0 + RT - 1 of W, samples sb .. sb + BT - 1; lanes q of ks split k.
   const int nrt = ceil_div(R, RT), tiles = nrt * ceil_div(bv, BT), ks = grid_lanes(tiles, kc / 4);
   const int tile = tid / ks, q = tid % ks, r0 = (tile % nrt) * RT, sb = (tile / nrt) * BT;
   const int tile_len = tile < tiles ? longest(lens, sb, BT, bv) : 0;
-  // MMA: this warp's tiles of 16 rows x 16 samples (-1: none; at most kMmaWarpTiles, the planner's
-  // bound) and its slice of each chunk's k steps.
-  const int mrows = ceil_div(R, kMmaTile), mtiles = mma_tiles(R, g.bs), slices = lay.slices;
-  int mtile[kMmaWarpTiles], slice = 0;
-#pragma unroll
-  for (int t = 0; t < kMmaWarpTiles; ++t) mtile[t] = -1;
-  if (mtiles <= kWarps) {
-    if (warp < mtiles * slices) mtile[0] = warp % mtiles, slice = warp / mtiles;
-  } else {
-#pragma unroll
-    for (int t = 0; t < kMmaWarpTiles; ++t) mtile[t] = warp + t * kWarps < mtiles ? warp + t * kWarps : -1;
-  }
 
   float xnext[kMaxItems][G];
   load_step_inputs(a, blk, it, lens, 0, xnext);
@@ -308,24 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
     VLSEQ_MARK(0, 0, s);
     stage(0);
     if (nch > 1) stage(1);
-    // The products over each chunk of h as it lands, the next but one staged behind it. (In the loop's
-    // body, not a lambda: through a lambda the compiler loses the operands' address space and loads
-    // them as generic memory.)
-    float acc[N];                       // FFMA
-    float macc[kMmaWarpTiles][2][4];    // MMA: tile t, samples n0 + 8 * half .., mma_tf32's d
-    bool busy[kMmaWarpTiles] = {};
-    if constexpr (kMma) {
+    float acc[N];
 #pragma unroll
-      for (int t = 0; t < kMmaWarpTiles; ++t) {
-        busy[t] = mtile[t] >= 0 && tile_running(lens, (mtile[t] / mrows) * kMmaTile, bv, s);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) macc[t][e / 4][e % 4] = 0.0f;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      busy[0] = s < tile_len;
-    }
+    for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+    const bool busy = s < tile_len;
     for (int ch = 0; ch < nch; ++ch) {
       if (ch + 1 < nch)
         cp_async_wait<1>();
@@ -333,53 +245,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
         cp_async_wait<0>();
       __syncthreads();
       if (ch == 0) VLSEQ_MARK(0, 1, s);
-      const float* hb = h_s + (ch & 1) * bsp * ldh;
-      if constexpr (kMma) {
-        const int nks = ceil_div(min(kc, Kp - ch * kc), 8), k0 = slice * nks / slices, k1 = (slice + 1) * nks / slices;
-#pragma unroll
-        for (int t = 0; t < kMmaWarpTiles; ++t) {
-          if (!busy[t]) continue;
-          const int m0 = (mtile[t] % mrows) * kMmaTile, n0 = (mtile[t] / mrows) * kMmaTile;
-          // A = W (rows m0 .., columns of the chunk), B[k][n] = h[n0 + n][k]; this lane's fragments.
-          const float* wa = w_s + (m0 + lane / 4) * ldw + ch * kc + lane % 4;
-          const float* hbn = hb + (n0 + lane / 4) * ldh + lane % 4;
-          for (int kk = k0; kk < k1; ++kk) {
-            const float av[4] = {wa[8 * kk], wa[8 * ldw + 8 * kk], wa[8 * kk + 4], wa[8 * ldw + 8 * kk + 4]};
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const float bv2[2] = {hbn[8 * half * ldh + 8 * kk], hbn[8 * half * ldh + 8 * kk + 4]};
-              mma_3xtf32(macc[t][half], av, bv2);
-            }
-          }
-        }
-      } else if (busy[0]) {
-        tile_fma<RT, BT, kGridUnroll>(acc, w_s + r0 * ldw + ch * kc, ldw, hb + sb * ldh, ldh, q,
-                                      min(kc, Kp - ch * kc) / 4, ks);
-      }
+      if (busy)
+        tile_fma<RT, BT, kGridUnroll>(acc, w_s + r0 * ldw + ch * kc, ldw, h_s + ((ch & 1) * bsp + sb) * ldh, ldh, q,
+                         min(kc, Kp - ch * kc) / 4, ks);
       __syncthreads();  // every thread is done with buffer ch & 1 before chunk ch + 2 refills it
       if (ch + 2 < nch) stage(ch + 2);
     }
     VLSEQ_MARK(0, 2, s);
-    if constexpr (kMma) {
-      // Row m, sample n of slice `slice` to gates_s[(slice * bsp + n) * ldg + m].
-#pragma unroll
-      for (int t = 0; t < kMmaWarpTiles; ++t) {
-        if (!busy[t]) continue;
-        const int m = (mtile[t] % mrows) * kMmaTile + lane / 4, n = (mtile[t] / mrows) * kMmaTile + 2 * (lane % 4);
-        float* out = gates_s + (slice * bsp + n) * ldg + m;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float(&d)[4] = macc[t][half];
-          float* o = out + 8 * half * ldg;
-          o[0] = d[0], o[ldg] = d[1], o[8] = d[2], o[ldg + 8] = d[3];
-        }
-      }
-    } else {
-      store_lane_totals(acc, ks, busy[0], [&](int e, float v) {
-        const int r = r0 + e / BT, b = sb + e % BT;
-        if (r < R && b < bv) gates_s[b * ldg + r] = v;
-      });
-    }
+    store_lane_totals(acc, ks, busy, [&](int e, float v) {
+      const int r = r0 + e / BT, b = sb + e % BT;
+      if (r < R && b < bv) gates_s[b * R + r] = v;
+    });
     __syncthreads();
     VLSEQ_MARK(0, 3, s);
     // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
@@ -392,10 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       if (!live[i]) continue;
       float gh[G];
 #pragma unroll
-      for (int k = 0; k < G; ++k) {
-        gh[k] = bias[i][k];
-        for (int sl = 0; sl < slices; ++sl) gh[k] += gates_s[(sl * bsp + b) * ldg + k * hs + j];
-      }
+      for (int k = 0; k < G; ++k) gh[k] = gates_s[b * R + k * hs + j] + bias[i][k];
       forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
       __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h[i]);
     }
@@ -439,23 +312,19 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
 template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kMma = BT == kMmaTile;
-  static_assert(!kMma || std::is_same_v<WT, float>, "the tensor-core products are fp32's");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, F = backward_fields(C), RT = kGridRows, N = RT * BT;
   const Geometry& g = a.g;
   const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4), Rp = round_up(R, 4);
   const int Kx = g.nc * hs;  // exchange rows: every block's units (nc * hs >= H, a multiple of 4)
   const Block blk(g);
   const int rank = blk.rank, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32, bsp = round_up(g.bs, BT);
+  const int bsp = round_up(g.bs, BT);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridBackwardSmem lay(g, G, sizeof(WT), BT);
-  const int ldt = lay.ldt, ldg = lay.ldg;
-  // FFMA: [k][r], W_hh transposed, own rows, swizzled. MMA: [r][k], untransposed (the fragments' layout
-  // transposes it).
-  WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);
-  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // gate k of unit j, sample b at b * ldg + k * hs + j
+  const int ldt = lay.ldt;
+  WT* wt_s = reinterpret_cast<WT*>(smem + lay.wt);  // [k][r]: W_hh transposed, own rows, swizzled
+  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
   float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
   // Partial dh of sample b, unit k from block q at a step of parity `parity`: xchg(parity, q)[b * Kx + k].
@@ -465,11 +334,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 
   // Product tiles: units RT * kt .. RT * kt + RT - 1, samples sb .. sb + BT - 1.
   const int nkt = ceil_div(Kp, RT), tiles = nkt * ceil_div(bv, BT), ks = grid_lanes(tiles, Rp / 4);
-  if constexpr (kMma)
-    load_weights<false>(wt_s, ldt, round_up(Rp, 8), ldt, a.w_hh, G, g, blk);
-  else
-    load_weights_swizzled(wt_s, ldt, ks, a.w_hh, G, g, blk);
-  for (int e = tid; e < bsp * ldg; e += kThreads) dg_s[e] = 0.0f;
+  load_weights_swizzled(wt_s, ldt, ks, a.w_hh, G, g, blk);
+  for (int e = tid; e < bsp * Rp; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   const Items it(bv, hv);
   float dh[kMaxItems], dc[kMaxItems], ddir[kMaxItems];
@@ -550,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
       if (b < 0) continue;
       const int len = lens[b];
       if (s + 1 < len) dh[i] = sum_of(b, j) + ddir[i];
-      float* dgb = dg_s + b * ldg + j;  // gate k at dgb[k * hs]
+      float* dgb = dg_s + b * Rp + j;  // gate k at dgb[k * hs]
       if (s >= len) {
 #pragma unroll
         for (int k = 0; k < G; ++k) dgb[k * hs] = 0.0f;
@@ -565,44 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     VLSEQ_MARK(1, 2, s);
     // Partial dh_{t-1} over this block's rows for every unit, to this block's slot of parity cur.
     float* part = xchg(cur, rank);
-    if constexpr (kMma) {
-      // Warp tiles of 16 units x 16 samples over the k of the block's gate rows; each through the warp's
-      // scratch tile to two float4 stores a lane (a sample's 8 units), as the FFMA tiles store them.
-      const int mt = ceil_div(Kp, kMmaTile), nks = round_up(Rp, 8) / 8;
-      float* scratch = reinterpret_cast<float*>(smem + lay.scratch) + warp * kMmaTile * kMmaTile;
-      for (int t = warp; t < mt * (bsp / kMmaTile); t += kWarps) {
-        const int m0 = (t % mt) * kMmaTile, n0 = (t / mt) * kMmaTile;
-        if (!tile_running(lens, n0, bv, s)) continue;
-        // A[m][k] = W[k][m0 + m] (gate rows k of the block), B[k][n] = dg[n0 + n][k]; this lane's fragments.
-        float acc[2][4] = {};
-        const float* wa = wt_s + (lane % 4) * ldt + m0 + lane / 4;
-        const float* gb = dg_s + (n0 + lane / 4) * ldg + lane % 4;
-        for (int kk = 0; kk < nks; ++kk) {
-          const float* w8 = wa + 8 * kk * ldt;
-          const float av[4] = {w8[0], w8[8], w8[4 * ldt], w8[4 * ldt + 8]};
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float bv2[2] = {gb[8 * half * ldg + 8 * kk], gb[8 * half * ldg + 8 * kk + 4]};
-            mma_3xtf32(acc[half], av, bv2);
-          }
-        }
-        // Unit m0 + i of sample n0 + n to scratch[n * 16 + i].
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float* o = scratch + (8 * half + 2 * (lane % 4)) * kMmaTile + lane / 4;
-          o[0] = acc[half][0], o[kMmaTile] = acc[half][1], o[8] = acc[half][2], o[kMmaTile + 8] = acc[half][3];
-        }
-        __syncwarp();
-        const int b = n0 + lane / 2, u = m0 + 8 * (lane % 2);
-        if (b < bv && s < lens[b]) {
-          const float4* src = reinterpret_cast<const float4*>(scratch + (lane / 2) * kMmaTile + 8 * (lane % 2));
-          float* out = part + static_cast<int64_t>(b) * Kx + u;
-          if (u < Kx) __stcg(reinterpret_cast<float4*>(out), src[0]);
-          if (u + 4 < Kx) __stcg(reinterpret_cast<float4*>(out + 4), src[1]);
-        }
-        __syncwarp();  // the lanes have read the scratch tile before the next fills it
-      }
-    } else for (int first_tile = 0; first_tile < tiles; first_tile += kThreads / ks) {
+    for (int first_tile = 0; first_tile < tiles; first_tile += kThreads / ks) {
       const int tile = first_tile + tid / ks, q = tid % ks;
       const int kt = tile % nkt, sb = (tile / nkt) * BT;
       // Bit j: sample sb + j runs at step s (past the tiles, sb >= bv: none). Read once, not per store.
@@ -615,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[i] = 0.0f;
       if (busy)
-        tile_fma<RT, BT, kGridUnroll>(acc, wt_s + RT * kt * ldt, ldt, dg_s + sb * ldg, ldg, q, Rp / 4, ks,
+        tile_fma<RT, BT, kGridUnroll>(acc, wt_s + RT * kt * ldt, ldt, dg_s + sb * Rp, Rp, q, Rp / 4, ks,
                                       grid_swizzle(kt, ks, sizeof(WT)));
       // Unit u0 + i of sample sb + j goes to out[j * Kx + i]; units past H carry zeros (W^T's padding),
       // units past Kx would be the next sample's: not stored (Kx is a multiple of 4).
@@ -666,21 +495,20 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 
 // The function NAME returning KERNEL for a cell, weight precision and batch tile (rnn_grid_forward.cu,
 // rnn_grid_backward.cu, and the probe, which does not link the library).
-#define VLSEQ_RNN_GRID_SWITCH(KERNEL, CELL, WT, TOP)                      \
-  switch (bt) {                                                           \
-    case 1: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 1>);   \
-    case 2: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 2>);   \
-    case 4: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 4>);   \
-    case 8: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 8>);   \
-    default: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, TOP>); \
+#define VLSEQ_RNN_GRID_SWITCH(KERNEL, CELL, WT)                         \
+  switch (bt) {                                                         \
+    case 1: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 1>); \
+    case 2: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 2>); \
+    case 4: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 4>); \
+    default: return reinterpret_cast<const void*>(&KERNEL<CELL, WT, 8>); \
   }
-#define VLSEQ_RNN_GRID_TABLE(NAME, KERNEL)                                        \
-  const void* NAME(Cell c, Weights w, int bt) {                                   \
-    const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;               \
-    if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, float, kMmaTile) \
-    if (fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, float, kMmaTile)          \
-    if (lstm) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16, 8)        \
-    VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16, 8)                   \
+#define VLSEQ_RNN_GRID_TABLE(NAME, KERNEL)                                \
+  const void* NAME(Cell c, Weights w, int bt) {                           \
+    const bool lstm = c == Cell::kLSTM, fp32 = w == Weights::kFP32;       \
+    if (lstm && fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, float)   \
+    if (fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, float)            \
+    if (lstm) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)   \
+    VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)              \
   }
 
 #endif  // __CUDACC__
