@@ -26,10 +26,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   nvidia-smi topo -m
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'gpus', torch.cuda.device_count())"
 } > "$OUT/gpus.txt" 2>&1
-if ! $PY -c "import vlseq_ext._C" 2>/dev/null; then
+# Built again whenever the sources differ from those of the installed build: a machine kept warm
+# between calls keeps the last call's extension, and its sources may have changed since (the
+# eleventh session's last suite ran on the previous call's kernels that way).
+stamp=build/vlseq-sources.sha1
+sources=$(find csrc setup.py -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1)
+if ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; then
   MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  mkdir -p build && echo "$sources" > "$stamp"
 fi
+echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if runs tests; then

@@ -7,8 +7,8 @@
 // shared-memory reads and by unoverlapped loads (fp32 LSTM 1024 at batch 32 ran 0.84x of cuDNN):
 //  - products as register tiles of kGridRows rows x BT samples: a thread reads 8 + BT float4s from
 //    shared memory for 32 * BT FMAs (the generic 2-row tile: 2 + BT for 8 * BT), so the reads no longer
-//    bound them (they still issue at about a quarter of the FMA rate, for a reason not yet found:
-//    BENCHMARKS.md, tenth session);
+//    bound them (the k loops issue ~70% of the time; the step's rest is the exchange through L2:
+//    BENCHMARKS.md, eleventh session);
 //  - the forward stages h_{t-1} of the group's samples in chunks of k columns with cp.async into two
 //    buffers: the L2 reads of chunk c + 1 run under the products of chunk c (cp.async.cg reads L2,
 //    never a stale L1 line);

@@ -29,11 +29,12 @@ KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 # - unpadded input up to hidden 64, where cuDNN runs its own persistent kernel (ours 0.83x for one
 #   sample, 0.81x for 32); at hidden 128 ours measured faster (LSTM 2.1x / 2.0x for 1 / 32 samples,
 #   GRU 1.3x and bidirectional GRU 1.4x for 32); hidden 65-127 is unmeasured and goes to ours;
-# - unpadded input under bf16 autocast (ours 0.97x at hidden 256, 0.35x at 1024);
+# - unpadded input under bf16 autocast (ours 0.97x at hidden 256, 0.67x at 1024);
 # - the grid layout with 16 or more samples per block where cuDNN would run TF32
-#   (torch.backends.cudnn.allow_tf32, on by default) or bf16: LSTM 1024 at batch 32, ours 0.91x of cuDNN's
-#   TF32 and 0.64x of its bf16; against its exact fp32 ours is 1.45x (tenth session, run 5).
-# Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.0x at hidden 512 and 2.1x at 1024
+#   (torch.backends.cudnn.allow_tf32, on by default) or bf16: LSTM 1024 at batch 32, ours 1.05x of cuDNN's
+#   TF32 forward and backward but 0.78x forward alone, 0.67x of its bf16; against its exact fp32 ours is
+#   1.67x (eleventh session, run 3).
+# Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.25x at hidden 512 and 2.2x at 1024
 # for one sample, and 2.9-11x on batches with per-sample lengths, which cuDNN runs packed.
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_CUDNN_GRID_SAMPLES = 16
