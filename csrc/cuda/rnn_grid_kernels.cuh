@@ -83,8 +83,8 @@ __host__ __device__ inline int grid_lanes(int tiles, int k4n) {
 }
 
 // The backward's tile kt multiplies units kGridRows * kt .. + kGridRows - 1, so that each sample's 8
-// partials leave as two float4 stores (scalar stores had taken a fifth of the step: BENCHMARKS.md,
-// eleventh session). The 8 lanes of a quarter warp read 8 rows at the same chunk; with rows whole
+// partials leave as two float4 stores (64 scalar stores with their address arithmetic had drawn 40% of
+// the backward's stall samples: BENCHMARKS.md, eleventh session). The 8 lanes of a quarter warp read 8 rows at the same chunk; with rows whole
 // 128-byte lines that would be one bank group, so unit tile kt keeps chunk c of its rows at chunk
 // c ^ grid_swizzle(kt): 8 (fp32; 16 for bf16's 8-byte chunks) consecutive tiles then read distinct
 // chunks. Times ks (the lanes that split a tile's chunks: q, q + ks, ...) so that the XOR keeps q.
@@ -138,7 +138,7 @@ __device__ __forceinline__ void halve_levels(float (&v)[N], int ks, int off, int
 // holds and stores (if `busy`: the tile is real and was multiplied).
 template <int N, typename Store>
 __device__ __forceinline__ void store_lane_totals(float (&v)[N], int ks, bool busy, Store&& store) {
-  if (ks == 1) {  // one lane holds the whole tile: compile-time indices, no shuffles (the backward's case)
+  if (ks == 1) {  // one lane holds the whole tile: compile-time indices, no shuffles
     if (busy)
 #pragma unroll
       for (int i = 0; i < N; ++i) store(i, v[i]);
