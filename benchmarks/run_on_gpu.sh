@@ -13,7 +13,8 @@
 #   bash benchmarks/run_on_gpu.sh tsc-cpu  # the same suite's CPU runs of SeqClassifier (5 seeds x 2 sets)
 #   bash benchmarks/run_on_gpu.sh probe    # step timings of the recurrent kernels (benchmarks/probe/step_timing.cu)
 #                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16] [groups] [bt]", ';'-separated;
-#                                          # built into $PROBE_BIN unless that exists)
+#                                          # built into $PROBE_BIN unless that exists), then whether their grid
+#                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -87,6 +88,10 @@ if runs probe; then
   echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1}" | tr ';' '\n' |
     while read -r args; do timeout 30 "$bin" $args; done > "$OUT/step-timing.log" 2>&1 || rc=1
   cat "$OUT/step-timing.log"
+  # Whether the grid kernels could run as clusters (benchmarks/probe/cluster_grid.cu).
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o /tmp/vlseq_cluster_grid benchmarks/probe/cluster_grid.cu \
+    > "$OUT/cluster-grid.log" 2>&1 && timeout 60 /tmp/vlseq_cluster_grid >> "$OUT/cluster-grid.log" 2>&1 || rc=1
+  cat "$OUT/cluster-grid.log"
 fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
