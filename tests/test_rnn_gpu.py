@@ -167,7 +167,7 @@ def test_2000_steps(rand):
 def test_grid_layout_large_hidden(rand, H):
     """fp32 W_hh of H >= 512 does not fit a cluster: the grid layout with its global barrier."""
     plan = ops.rnn_plan("lstm", H, 32, "fp32", DEV)
-    assert plan.startswith("grid"), plan
+    assert plan.startswith("grid") and "W_hh in registers (forward and backward)" in plan, plan
     compare(rand, nn.LSTM, 36, H, lengths=random_lengths(rand, 32, 1, 100))
 
 
@@ -370,21 +370,28 @@ def test_op_single_block_reduce_scatter_against_the_cpu_op(rand, cell):
     compare_ops_with_cpu(rand, cell, lens, 40, 64, reverse=cell == "gru", max_blocks=4)
 
 
-@pytest.mark.parametrize("cell,H,lens,reverse", [
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False),
-    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True),
-    ("lstm", 1000, [30], True),
-    ("gru", 604, [5, 30, 0, 11, 30], False),
-    ("lstm", 516, list(range(1, 31)) + [0, 30, 7], False),
-    ("gru", 1001, [30, 4, 17, 1], True),
+@pytest.mark.parametrize("cell,H,lens,reverse,regs", [
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False, True),
+    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, True),
+    ("lstm", 1000, [30], True, True),
+    ("gru", 604, [5, 30, 0, 11, 30], False, None),
+    ("lstm", 516, list(range(1, 31)) + [0, 30, 7], False, False),
+    ("gru", 1001, [30, 4, 17, 1], True, None),
+    ("lstm", 768, [30, 4, 0, 17, 1, 30] * 5 + [2, 29], True, False),
 ])
-def test_op_grid_layout_against_the_cpu_op(rand, cell, H, lens, reverse):
+def test_op_grid_layout_against_the_cpu_op(rand, cell, H, lens, reverse, regs):
     """The grid kernels (W_hh over more than a cluster): every output of both ops against the CPU
     kernels, with lengths that tie, end at 0 and 1, a last block with fewer units (H 604, 516, 1001),
     a hidden size that is not a multiple of 4 (1001), one sample, more samples than a batch tile, both
-    directions."""
+    directions. `regs`: whether both directions hold W_hh in registers (None: either). With 12 or 20
+    units a block (H 768 at 32 samples, H 516 at 33: 3 or 5 float4s of units, which the backward's gather
+    cannot split) the backward keeps the shared-memory kernel, and at H 768 the forward too (its 768
+    columns would pad to 1,024)."""
     plan = ops.rnn_plan(cell, H, len(lens), "fp32", DEV)
     assert plan.startswith("grid"), plan
+    assert regs is None or ("W_hh in registers (forward and backward)" in plan) == regs, plan
+    if regs is False:
+        assert "backward)" not in plan, plan
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse)
 
 

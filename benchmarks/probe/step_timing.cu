@@ -4,7 +4,7 @@
 // batch tile the planner would take; 480 steps,
 // each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
 // reduce-scatter backward where they fit; nc > 16: the grid kernels, launched cooperatively, h staged
-// in the chunks the planner would pick). Several groups make the batch's tensors outgrow L2, as in
+// in the chunks the planner would pick; the backward also with W_hh^T in registers where it fits). Several groups make the batch's tensors outgrow L2, as in
 // the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0,
 // the fused kernels do not ask L2 for the step after next's inputs (the A/B of BENCHMARKS.md, ninth session).
 #define VLSEQ_RNN_TIMING 1
@@ -25,6 +25,8 @@ VLSEQ_RNN_KERNEL_TABLE(backward_kernel, rnn_backward_kernel, rnn_backward_fused_
 VLSEQ_RNN_SCATTER_TABLE(backward_scatter_kernel)
 VLSEQ_RNN_GRID_TABLE(grid_forward_kernel, rnn_forward_grid_kernel)
 VLSEQ_RNN_GRID_TABLE(grid_backward_kernel, rnn_backward_grid_kernel)
+VLSEQ_RNN_GRID_REGS_TABLE(grid_backward_regs_kernel, rnn_backward_grid_regs_kernel)
+VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -132,6 +134,17 @@ int main(int argc, char** argv) {
     static const char* gf[] = {"stage0", "products", "reduce+sync", "cell", "arrive", "stores+prefetch", "wait"};
     launch(grid_forward_kernel(cell, wt, bt), fa, blocks, nc, GridForwardSmem(g, G, wbytes, bt).total, true);
     report(0, 7, T, gf);
+    for (const auto& rc : kGridFwdRegsShapes) {
+      const GridFwdRegsShape fsh(G, H, hs, rc[0], rc[1]);
+      if (bf16 || fsh.ng == 0 || B * hs > kThreads * kGridRegItems) continue;
+      if (GridFwdRegsSmem(g, fsh).total > static_cast<int>(p.sharedMemPerBlockOptin)) continue;
+      printf(" W_hh in registers (%d rows x %d chunks per thread, %d warps per row group):\n", fsh.nr, fsh.nm, fsh.nwg);
+      cudaMemset(arrivals, 0, groups * 4);
+      static const char* gfr[] = {"stage", "products", "sums+sync", "cell", "arrive", "stores+prefetch", "wait"};
+      launch(grid_forward_regs_kernel(cell, fsh.nr, fsh.nm), fa, blocks, nc, GridFwdRegsSmem(g, fsh).total, true);
+      report(0, 7, T, gfr);
+      break;
+    }
     float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
     float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);
     float* bx;
@@ -142,6 +155,16 @@ int main(int argc, char** argv) {
     static const char* gb[] = {"gather", "cell+sync", "products+partials", "arrive", "stores+prefetch", "wait"};
     launch(grid_backward_kernel(cell, wt, bt), ba, blocks, nc, GridBackwardSmem(g, G, wbytes, bt).total, true);
     report(1, 6, T, gb);
+    const GridRegsShape sh(G, H, hs);
+    if (!bf16 && sh.nr > 0 && B * hs <= kThreads * kGridRegItems) {
+      printf(" W_hh^T in registers (%d rows per thread, %d row groups):\n", sh.nr, sh.ng);
+      float* rx;
+      cudaMalloc(&rx, grid_regs_exchange(g, groups, sh) * 4);
+      cudaMemset(arrivals, 0, groups * 4);
+      ba.xchg = rx;
+      launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, GridRegsSmem(g, sh).total, true);
+      report(1, 6, T, gb);
+    }
     return 0;
   }
   for (bool f : {false, true}) {

@@ -37,9 +37,11 @@ struct LayerPlan {
   int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
   // Each direction's kernel: fused (rnn_fused_kernels.cuh: W_hh in registers, the cell in the product
   // lanes) or generic; the backward may instead be the fused one with a reduce-scatter
-  // (rnn_scatter_kernel.cuh).
+  // (rnn_scatter_kernel.cuh). On the grid layout, fused_forward / fused_backward: W_hh in registers
+  // (rnn_forward_grid_regs_kernel, rnn_backward_grid_regs_kernel).
   bool fused_forward = false, fused_backward = false, scatter_backward = false;
   int64_t smem_forward = 0, smem_backward = 0;
+  int regs_rows = 0, regs_chunks = 0;  // grid, fused_forward: rows and float4 chunks of W_hh per thread
   std::string describe() const;
 };
 

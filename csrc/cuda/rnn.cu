@@ -115,19 +115,24 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 
 // Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
 // fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
-// whichever bounds; L2 at ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's
-// h, under the products; backward: the partials written under the products, read after the barrier);
-// ~2,500 a direction for the cell and the barrier. The steps measure ~2.5x this (BENCHMARKS.md,
-// eleventh session: the exchanges through L2 take most of the rest), but it ranks the layouts as they
+// whichever bounds (with W_hh in registers, `fregs` / `regs`: the FMAs of the rows held, padding
+// included, on the threads that hold them); L2 at ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's h, under
+// the products; backward: the partials written under the products, read after the barrier); ~2,500 a
+// direction for the cell and the barrier. The steps measure ~2.5x this (BENCHMARKS.md, eleventh
+// session: the exchanges through L2 take most of the rest), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64
 // blocks over one of 128.
-double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes) {
+double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
+                   const GridRegsShape* regs) {
   const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);
   const double fma = R8 * Kp * bsp / 128.0;
   const double smem = (R8 / kGridRows) * (bsp / bt) * (Kp / 4.0) * (kGridRows * 4.0 * wbytes + bt * 16.0) / 128.0;
   const double l2 = static_cast<double>(groups) * nc * bs * Kp * 4.0 / 2900.0;
   const double products = std::max(fma, smem);
-  return std::max(products, l2) + 2500.0 + products + l2 + 2500.0;
+  const double forward = fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0 : products;
+  const double backward =
+      regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng) : products;
+  return std::max(forward, l2) + 2500.0 + backward + l2 + 2500.0;
 }
 
 struct Cost {
@@ -213,19 +218,35 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
       if (fwd > optin) g.chunk = 0;
     }
     if (g.chunk == 0) continue;
-    const int64_t bwd = GridBackwardSmem(g, G, wbytes, bt).total;
+    // Each direction with W_hh in registers where the block's rows fit them (fp32): the forward's first
+    // (rows, chunks) per thread that holds them and whose staged h fits.
+    const bool few_pairs = w == Weights::kFP32 && bs * hs <= kThreads * kGridRegItems;
+    GridFwdRegsShape fsh(G, H, hs, 0, 0);
+    for (const auto& rc : kGridFwdRegsShapes) {
+      const GridFwdRegsShape c(G, H, hs, rc[0], rc[1]);
+      if (few_pairs && c.ng > 0 && GridFwdRegsSmem(g, c).total <= optin) {
+        fsh = c;
+        break;
+      }
+    }
+    const bool fregs = fsh.nr > 0;
+    if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
+    const GridRegsShape sh(G, H, hs);
+    const bool regs = few_pairs && sh.nr > 0;
+    const int64_t bwd = regs ? GridRegsSmem(g, sh).total : GridBackwardSmem(g, G, wbytes, bt).total;
     if (bwd > optin) continue;
-    const void* fk = grid_forward_kernel(cell, w, bt);
-    const void* bk = grid_backward_kernel(cell, w, bt);
+    const void* fk = fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm) : grid_forward_kernel(cell, w, bt);
+    const void* bk = regs ? grid_backward_regs_kernel(cell, sh.nr) : grid_backward_kernel(cell, w, bt);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes);
+    const double clocks =
+        grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan =
-          LayerPlan{true, "", static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, false, false, false, fwd, bwd};
+      best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs, regs,
+                            false, fwd, bwd, fsh.nr, fsh.nm};
       found = true;
     }
   }
@@ -235,6 +256,10 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
 Geometry geometry(const LayerPlan& plan, const Sizes& z, bool reverse) {
   return Geometry{static_cast<int>(z.B), static_cast<int>(z.T), static_cast<int>(z.H), plan.nc, plan.hs, plan.bs,
                   plan.chunk, static_cast<Sync>(plan.sync), reverse ? 1 : 0};
+}
+
+GridRegsShape regs_shape(const LayerPlan& plan, const Sizes& z) {
+  return GridRegsShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
 }
 
 template <typename Args>
@@ -277,8 +302,12 @@ std::string LayerPlan::describe() const {
   static const char* names[] = {"local", "cluster", "grid"};
   return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
          " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
-         (sync == 2 ? ", h staged " + std::to_string(chunk) + " columns at a time" : "") +
-         (fused_forward || fused_backward || scatter_backward
+         (sync == 2 && !fused_forward ? ", h staged " + std::to_string(chunk) + " columns at a time" : "") +
+         (sync == 2 && (fused_forward || fused_backward)
+              ? std::string(", W_hh in registers (") + (fused_forward ? "forward" : "") +
+                    (fused_forward && fused_backward ? " and " : "") + (fused_backward ? "backward" : "") + ")"
+              : "") +
+         (sync != 2 && (fused_forward || fused_backward || scatter_backward)
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
                     (fused_backward || scatter_backward ? "backward" : "") + ")" +
@@ -349,7 +378,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
     xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const at::Tensor order = samples_by_length(lengths, plan.fused_forward);
+  const at::Tensor order =
+      samples_by_length(lengths, plan.sync != static_cast<int>(Sync::kGrid) && plan.fused_forward);
   ForwardArgs a{geometry(plan, z, reverse),
                 xproj.const_data_ptr<float>(),
                 w_hh.const_data_ptr<float>(),
@@ -366,7 +396,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
-  launch(grid ? grid_forward_kernel(z.cell, z.weights, plan.bt) : forward_kernel(z.cell, z.weights, plan.bt, plan.fused_forward),
+  launch(grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
+         : grid                     ? grid_forward_kernel(z.cell, z.weights, plan.bt)
+                                    : forward_kernel(z.cell, z.weights, plan.bt, plan.fused_forward),
          a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
@@ -387,10 +419,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor dc0 = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
   at::Tensor xchg, arrivals;
   if (plan.sync == static_cast<int>(Sync::kGrid)) {
-    xchg = at::empty({2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs}, opts);
+    xchg = at::empty({plan.fused_backward ? grid_regs_exchange(geometry(plan, z, reverse), plan.groups, regs_shape(plan, z))
+                                          : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
+                     opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const at::Tensor order = samples_by_length(lengths, plan.fused_backward || plan.scatter_backward);
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
+  const at::Tensor order = samples_by_length(lengths, !grid && (plan.fused_backward || plan.scatter_backward));
   BackwardArgs a{geometry(plan, z, reverse),
                  w_hh.const_data_ptr<float>(),
                  y.const_data_ptr<float>(),
@@ -409,9 +444,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(plan.sync == static_cast<int>(Sync::kGrid) ? grid_backward_kernel(z.cell, z.weights, plan.bt)
-         : plan.scatter_backward                      ? backward_scatter_kernel(z.cell, plan.bt)
-                                                      : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
+  launch(grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
+         : grid                       ? grid_backward_kernel(z.cell, z.weights, plan.bt)
+         : plan.scatter_backward      ? backward_scatter_kernel(z.cell, plan.bt)
+                                      : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
          a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};

@@ -155,11 +155,92 @@ __device__ __forceinline__ void store_lane_totals(float (&v)[N], int ks, bool bu
   }
 }
 
+// The next sample from b on that runs at step s (bv if none).
+__device__ __forceinline__ int next_running(const int* lens, int s, int b, int bv) {
+  while (b < bv && s >= lens[b]) ++b;
+  return b;
+}
+
+// (sample, unit) pairs per thread of the kernels with W_hh in registers: the planner keeps bs * hs <= 512.
+constexpr int kGridRegItems = 2;
 // The longest length of samples [b, b + n) of the block's lengths (0 past the group's bs).
 __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
   int m = 0;
   for (int i = b; i < min(b + n, bs); ++i) m = max(m, lens[i]);
   return m;
+}
+
+// The step loop both grid forwards share: block set-up done (weights, lengths, the first barrier), it
+// runs the cells of this thread's (sample, unit) pairs and the exchange around them. Per step s:
+// products(s, in) computes the recurrent products of the samples running at s from h_{t-1} at `in`
+// (every sample's row of Kp floats) and ends with a __syncthreads; gh_of(b, k, j) reads back gate k
+// of unit j of sample b; the cell's h goes to the exchange at once; then the barrier, with the
+// step's output stores and the next step's input loads between its arrive and its wait.
+template <Cell C, int I, typename Products, typename GhOf>
+__device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const Block& blk, const int* lens,
+                                                   GroupBarrier& bar, Products&& products, GhOf&& gh_of) {
+  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  const Geometry& g = a.g;
+  const int H = g.H, Kp = round_up(H, 4), j0 = blk.j0;
+  // Exchange: h of every sample of the group, rows of Kp (the host zeroes the padding).
+  auto xchg = [&](int parity) {
+    return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
+  };
+  const Items<I> it(blk.bv, blk.hv);
+  float h[I], c[I], bias[I][G];
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    h[i] = c[i] = 0.0f;
+    if (it.b[i] < 0) continue;
+    const int64_t at = static_cast<int64_t>(blk.b0 + it.b[i]) * H + j0 + it.j[i];
+    h[i] = a.h0[at];
+    if constexpr (C == Cell::kLSTM) c[i] = a.c0[at];
+#pragma unroll
+    for (int q = 0; q < G; ++q) bias[i][q] = a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
+    __stcg(xchg(0) + static_cast<int64_t>(it.b[i]) * Kp + j0 + it.j[i], h[i]);
+  }
+  const int smax = finish_setup(bar, lens, g.bs);
+  float xnext[I][G];
+  load_step_inputs(a, blk, it, lens, 0, xnext);
+  for (int s = 0; s < smax; ++s) {
+    const int cur = s & 1;
+    float x[I][G];
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+      for (int k = 0; k < G; ++k) x[i][k] = xnext[i][k];
+    VLSEQ_MARK(0, 0, s);
+    products(s, xchg(cur));
+    VLSEQ_MARK(0, 3, s);
+    // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
+    float out[I][4];
+    bool live[I];
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      const int b = it.b[i], j = it.j[i];
+      live[i] = b >= 0 && s < lens[b];
+      if (!live[i]) continue;
+      float gh[G];
+#pragma unroll
+      for (int k = 0; k < G; ++k) gh[k] = gh_of(b, k, j) + bias[i][k];
+      forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
+      __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h[i]);
+    }
+    VLSEQ_MARK(0, 4, s);
+    bar.arrive();
+    VLSEQ_MARK(0, 5, s);
+    store_step_outputs<C>(a, blk, it, lens, s, live, h, c, out);
+    load_step_inputs(a, blk, it, lens, s + 1, xnext);
+    VLSEQ_MARK(0, 6, s);
+    bar.wait();
+  }
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    if (it.b[i] < 0) continue;
+    const int64_t o = static_cast<int64_t>(blk.b0 + it.b[i]) * H + j0 + it.j[i];
+    a.h_n[o] = h[i];
+    if constexpr (C == Cell::kLSTM) a.c_n[o] = c[i];
+  }
 }
 
 template <Cell C, typename WT, int BT>
@@ -170,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
   const int H = g.H, hs = g.hs, R = G * hs;
   const int Kp = round_up(H, 4), ldw = Kp + 4, kc = g.chunk, ldh = kc + 4, nch = ceil_div(Kp, kc);
   const Block blk(g);
-  const int j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bsp = round_up(g.bs, BT);
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -179,40 +260,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
   float* h_s = reinterpret_cast<float*>(smem + lay.h);
   float* gates_s = reinterpret_cast<float*>(smem + lay.gates);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  // Exchange: h of every sample of the group, rows of Kp (the host zeroes the padding).
-  auto xchg = [&](int parity) {
-    return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
-  };
 
   load_weights<false>(w_s, ldw, round_up(R, RT), ldw, a.w_hh, G, g, blk);
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < 2 * bsp * ldh; e += kThreads) h_s[e] = 0.0f;
-  const Items it(bv, hv);
-  float h[kMaxItems], c[kMaxItems], bias[kMaxItems][G];
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    h[i] = c[i] = 0.0f;
-    if (it.b[i] < 0) continue;
-    const int64_t at = static_cast<int64_t>(b0 + it.b[i]) * H + j0 + it.j[i];
-    h[i] = a.h0[at];
-    if constexpr (C == Cell::kLSTM) c[i] = a.c0[at];
-#pragma unroll
-    for (int q = 0; q < G; ++q) bias[i][q] = a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
-    __stcg(xchg(0) + static_cast<int64_t>(it.b[i]) * Kp + j0 + it.j[i], h[i]);
-  }
+  __syncthreads();  // the lengths, for tile_len
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
-  const int smax = finish_setup(bar, lens, g.bs);
 
   // This thread's tile: rows r0 .. r0 + RT - 1 of W, samples sb .. sb + BT - 1; lanes q of ks split k.
   const int nrt = ceil_div(R, RT), tiles = nrt * ceil_div(bv, BT), ks = grid_lanes(tiles, kc / 4);
   const int tile = tid / ks, q = tid % ks, r0 = (tile % nrt) * RT, sb = (tile / nrt) * BT;
   const int tile_len = tile < tiles ? longest(lens, sb, BT, bv) : 0;
 
-  float xnext[kMaxItems][G];
-  load_step_inputs(a, blk, it, lens, 0, xnext);
-  for (int s = 0; s < smax; ++s) {
-    const int cur = s & 1;
-    const float* in = xchg(cur);
+  auto products = [&](int s, const float* in) {
     // Chunk ch of h_{t-1} (columns ch * kc ..) of the samples still running, into buffer ch & 1.
     // A warp per sample, its lanes over the columns: no division per float4, one length check per sample
     // (staging had cost a quarter of the step's issue slots: BENCHMARKS.md, eleventh session).
@@ -226,12 +286,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       }
       cp_async_commit();
     };
-    float x[kMaxItems][G];
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i)
-#pragma unroll
-      for (int k = 0; k < G; ++k) x[i][k] = xnext[i][k];
-    VLSEQ_MARK(0, 0, s);
     stage(0);
     if (nch > 1) stage(1);
     float acc[N];
@@ -247,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       if (ch == 0) VLSEQ_MARK(0, 1, s);
       if (busy)
         tile_fma<RT, BT, kGridUnroll>(acc, w_s + r0 * ldw + ch * kc, ldw, h_s + ((ch & 1) * bsp + sb) * ldh, ldh, q,
-                         min(kc, Kp - ch * kc) / 4, ks);
+                                      min(kc, Kp - ch * kc) / 4, ks);
       __syncthreads();  // every thread is done with buffer ch & 1 before chunk ch + 2 refills it
       if (ch + 2 < nch) stage(ch + 2);
     }
@@ -257,36 +311,154 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
       if (r < R && b < bv) gates_s[b * R + r] = v;
     });
     __syncthreads();
-    VLSEQ_MARK(0, 3, s);
-    // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
-    float out[kMaxItems][4];
-    bool live[kMaxItems];
+  };
+  grid_forward_steps<C, kMaxItems>(a, blk, lens, bar, products,
+                                   [&](int b, int k, int j) { return gates_s[b * R + k * hs + j]; });
+#endif
+}
+
+// The fp32 grid forward with W_hh in registers (where a block's rows fit: fp32 LSTM 1024 on 128 blocks,
+// ...). rnn_forward_grid_kernel's tile read a float4 of W and one of h from shared memory per 16 FMAs:
+// its products ran at ~45% of the FMA rate. Here the 8 warps are ng = 8 / nwg row groups of nwg warps;
+// a thread holds NR rows of its group (gate-major, k * hs + j) at NM float4 chunks of columns, chunk
+// lane + 32 * (wg + nwg * m) for warp wg of its group: each warp-wide read of h is 512 contiguous bytes.
+// Per sample it reads NM float4s of h, makes 4 * NR * NM FMAs, and the warp's lanes combine their
+// NR partial sums with the reduce-scatter butterfly (store_lane_totals); the nwg warps' sums meet in
+// shared memory, added in a fixed order by the cell. h_{t-1} of all the group's samples is staged
+// at once (cp.async, in chunks of 8 samples, each awaited before its products): shared memory holds
+// no weights, so it has the room.
+constexpr int kGridFwdChunk = 8;  // samples per staged chunk of h
+struct GridFwdRegsShape {
+  int nr, nm;       // rows and float4 chunks of columns per thread
+  int nwg, ng, kq;  // kq: columns padded to 128 * nm * nwg; ng = 0: the block's rows do not fit
+  __host__ __device__ GridFwdRegsShape(int G, int H, int hs, int nr_, int nm_) : nr(nr_), nm(nm_) {
+    const int Kp = round_up(H, 4);
+    nwg = 1;
+    while (nwg < kWarps && 128 * nm * nwg < Kp) nwg *= 2;
+    kq = 128 * nm * nwg;
+    ng = kWarps / nwg;
+    // At most a quarter of the FMAs on padding columns, every row held.
+    if (kq < Kp || 4 * kq > 5 * Kp || ng * nr < G * hs) ng = 0;
+  }
+};
+// The (rows, chunks) per thread a kernel is built for, in the planner's order of preference.
+constexpr int kGridFwdRegsShapes[][2] = {{8, 4}, {16, 2}, {8, 2}, {4, 8}, {32, 1}};
+struct GridFwdRegsSmem {
+  int h, part, lens, total;
+  __host__ __device__ GridFwdRegsSmem(const Geometry& g, const GridFwdRegsShape& sh) {
+    int off = 0;
+    h = off, off += round_up(g.bs, kGridFwdChunk) * sh.kq * 4;
+    part = off, off += round_up(sh.nwg * g.bs * sh.ng * sh.nr * 4, 16);
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+// The kernel for a cell and (rows, chunks) per thread, one of kGridFwdRegsShapes: rnn_grid_forward_regs.cu.
+const void* grid_forward_regs_kernel(Cell c, int nr, int nm);
+
+template <Cell C, int NR, int NM>
+__global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(const ForwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  constexpr int SP = NR >= 8 ? (32 / NR > 0 ? 32 / NR : 1) : 4;  // samples per pass: SP * NR sums, at most 32
+  const Geometry& g = a.g;
+  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4);
+  const GridFwdRegsShape sh(G, H, hs, NR, NM);
+  const int kq = sh.kq, nwg = sh.nwg, ldp = sh.ng * NR;  // part_s: [wg][b][ldp]
+  const Block blk(g);
+  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, grp = warp / nwg, wg = warp % nwg;
+  const int nchunks = ceil_div(bv, kGridFwdChunk);
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GridFwdRegsSmem lay(g, sh);
+  float* h_s = reinterpret_cast<float*>(smem + lay.h);  // [b][kq], zero past Kp
+  float* part_s = reinterpret_cast<float*>(smem + lay.part);
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+
+  float4 w[NR][NM];  // rows grp * NR + i, columns 4 * (lane + 32 * (wg + nwg * m)) ..
 #pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      const int b = it.b[i], j = it.j[i];
-      live[i] = b >= 0 && s < lens[b];
-      if (!live[i]) continue;
-      float gh[G];
+  for (int i = 0; i < NR; ++i) {
+    const int row = grp * NR + i, k = row / hs, j = row - k * hs;
+    const bool real = row < R && j < blk.hv;
+    const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
 #pragma unroll
-      for (int k = 0; k < G; ++k) gh[k] = gates_s[b * R + k * hs + j] + bias[i][k];
-      forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
-      __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h[i]);
+    for (int m = 0; m < NM; ++m) {
+      const int c0 = 4 * (lane + 32 * (wg + nwg * m));
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = real && c0 + e < H ? src[c0 + e] : 0.0f;
+      w[i][m] = make_float4(v[0], v[1], v[2], v[3]);
     }
-    VLSEQ_MARK(0, 4, s);
-    bar.arrive();
-    VLSEQ_MARK(0, 5, s);
-    store_step_outputs<C>(a, blk, it, lens, s, live, h, c, out);
-    load_step_inputs(a, blk, it, lens, s + 1, xnext);
-    VLSEQ_MARK(0, 6, s);
-    bar.wait();
   }
+  load_lengths(lens, a.lengths, g, blk);
+  for (int e = tid; e < round_up(g.bs, kGridFwdChunk) * kq; e += kThreads) h_s[e] = 0.0f;
+  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
+
+  auto products = [&](int s, const float* in) {
+    // Every chunk of running samples' h staged at once, a warp per sample (its lanes over the columns).
+    for (int ch = 0; ch < nchunks; ++ch) {
+      for (int b = ch * kGridFwdChunk + warp; b < min(bv, (ch + 1) * kGridFwdChunk); b += kWarps) {
+        if (s >= lens[b]) continue;
+        const float* src = in + static_cast<int64_t>(b) * Kp;
+        for (int k4 = lane; k4 < Kp / 4; k4 += 32) cp_async16(h_s + b * kq + 4 * k4, src + 4 * k4);
+      }
+      cp_async_commit();
+    }
+    VLSEQ_MARK(0, 1, s);
+    for (int ch = 0; ch < nchunks; ++ch) {
+      // Wait for chunk ch: at most nchunks - 1 - ch groups may still be in flight (an immediate operand).
+      switch (min(nchunks - 1 - ch, 3)) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        default: cp_async_wait<3>(); break;
+      }
+      __syncthreads();
+      const int bend = min(bv, (ch + 1) * kGridFwdChunk);
+      for (int b = next_running(lens, s, ch * kGridFwdChunk, bend); b < bend;) {
+        // SP running samples at a time (bend past the last): their sums share one butterfly.
+        int idx[SP];
+        idx[0] = b;
 #pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    if (it.b[i] < 0) continue;
-    const int64_t o = static_cast<int64_t>(b0 + it.b[i]) * H + j0 + it.j[i];
-    a.h_n[o] = h[i];
-    if constexpr (C == Cell::kLSTM) a.c_n[o] = c[i];
-  }
+        for (int p = 1; p < SP; ++p) idx[p] = next_running(lens, s, idx[p - 1] + 1, bend);
+        float acc[SP * NR];
+#pragma unroll
+        for (int i = 0; i < SP * NR; ++i) acc[i] = 0.0f;
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+          const int c0 = 4 * (lane + 32 * (wg + nwg * m));
+          float4 x[SP];
+#pragma unroll
+          for (int p = 0; p < SP; ++p) x[p] = *reinterpret_cast<const float4*>(h_s + (idx[p] < bend ? idx[p] : b) * kq + c0);
+#pragma unroll
+          for (int i = 0; i < NR; ++i) {
+            const float4 wv = w[i][m];
+#pragma unroll
+            for (int p = 0; p < SP; ++p) {
+              float& sum = acc[p * NR + i];
+              sum = fmaf(wv.x, x[p].x, sum), sum = fmaf(wv.y, x[p].y, sum);
+              sum = fmaf(wv.z, x[p].z, sum), sum = fmaf(wv.w, x[p].w, sum);
+            }
+          }
+        }
+        // Total e: row e % NR of sample idx[e / NR], over this warp's columns.
+        // (Scalars: an array read in the lambda was kept in local memory.)
+        const int s1 = idx[SP > 1 ? 1 : 0], s2 = idx[SP > 2 ? 2 : 0], s3 = idx[SP > 3 ? 3 : 0];
+        store_lane_totals(acc, 32, true, [&](int e, float v) {
+          const int q = e / NR, sample = q == 0 ? b : q == 1 ? s1 : q == 2 ? s2 : s3;
+          if (sample < bend) part_s[(wg * g.bs + sample) * ldp + grp * NR + e % NR] = v;
+        });
+        b = idx[SP - 1] < bend ? next_running(lens, s, idx[SP - 1] + 1, bend) : bend;
+      }
+    }
+    VLSEQ_MARK(0, 2, s);
+    __syncthreads();
+  };
+  grid_forward_steps<C, kGridRegItems>(a, blk, lens, bar, products, [&](int b, int k, int j) {
+    float v = 0.0f;
+    for (int q = 0; q < nwg; ++q) v += part_s[(q * g.bs + b) * ldp + k * hs + j];
+    return v;
+  });
 #endif
 }
 
@@ -309,15 +481,107 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
   }
 }
 
+// The step loop both grid backwards share: block set-up done (weights, lengths, dg_s zero, the first
+// barrier), it runs the cells of this thread's (sample, unit) pairs and the exchange around them. Per
+// step s (from the last): gather(parity, s + 1) sums the partials of step s + 1 (its sums read back by
+// sum_of(b, j)); the cells write the gate gradients to dg_s[b * ldg + k * hs + j]; products(parity, s)
+// writes this block's partial dh_{t-1} of the samples running at s; then the barrier, with the gate
+// gradients' stores and the next step's loads between its arrive and its wait.
+template <Cell C, int I, typename Gather, typename SumOf, typename Products>
+__device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const Block& blk, const int* lens,
+                                                    float* dg_s, int ldg, GroupBarrier& bar, int smax, Gather&& gather,
+                                                    SumOf&& sum_of, Products&& products) {
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, F = backward_fields(C);
+  const Geometry& g = a.g;
+  const int H = g.H, hs = g.hs, j0 = blk.j0, b0 = blk.b0;
+  const Items<I> it(blk.bv, blk.hv);
+  float dh[I], dc[I], ddir[I];
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    dh[i] = dc[i] = ddir[i] = 0.0f;
+    if (it.b[i] < 0) continue;
+    const int64_t at = static_cast<int64_t>(b0 + it.b[i]) * H + j0 + it.j[i];
+    if (a.dh_n) dh[i] = a.dh_n[at];
+    if (a.dc_n) dc[i] = a.dc_n[at];
+  }
+  float pnext[I][F];
+  auto prefetch = [&](int s) {
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      const int b = it.b[i];
+      if (b < 0) continue;
+      const int len = lens[b];
+      if (s >= 0 && s < len) load_backward_fields<C>(a, b0 + b, j0 + it.j[i], len, s, pnext[i]);
+      if (s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, b0 + b, j0 + it.j[i], len, s - 1, pnext[i]);
+    }
+  };
+  prefetch(smax - 1);
+  for (int s = smax - 1; s >= 0; --s) {
+    const int cur = s & 1;
+    float p[I][F];
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+      for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
+    VLSEQ_MARK(1, 0, s);
+    if (s + 1 < smax) gather(cur ^ 1, s + 1);  // dh_t from step s+1's partials
+    VLSEQ_MARK(1, 1, s);
+    float rg[I][4], dn[I];
+    bool live[I];
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      const int b = it.b[i], j = it.j[i];
+      live[i] = false;
+      if (b < 0) continue;
+      const int len = lens[b];
+      if (s + 1 < len) dh[i] = sum_of(b, j) + ddir[i];
+      float* dgb = dg_s + b * ldg + j;  // gate k at dgb[k * hs]
+      if (s >= len) {
+#pragma unroll
+        for (int k = 0; k < G; ++k) dgb[k * hs] = 0.0f;
+        continue;
+      }
+      live[i] = true;
+      backward_cell<C, F>(p[i], dh[i], dc[i], ddir[i], rg[i], dn[i]);
+#pragma unroll
+      for (int k = 0; k < G; ++k) dgb[k * hs] = rg[i][k];
+    }
+    __syncthreads();
+    VLSEQ_MARK(1, 2, s);
+    products(cur, s);
+    VLSEQ_MARK(1, 3, s);
+    bar.arrive();
+    VLSEQ_MARK(1, 4, s);
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+      if (!live[i]) continue;
+      const int b = it.b[i];
+      store_gate_grads<C>(a, step_row(g, blk, b, lens[b], s), j0 + it.j[i], rg[i], dn[i]);
+    }
+    prefetch(s - 1);
+    VLSEQ_MARK(1, 5, s);
+    bar.wait();
+  }
+  gather(0, 0);
+#pragma unroll
+  for (int i = 0; i < I; ++i) {
+    const int b = it.b[i];
+    if (b < 0) continue;
+    const int64_t o = static_cast<int64_t>(b0 + b) * H + j0 + it.j[i];
+    a.dh0[o] = lens[b] > 0 ? sum_of(b, it.j[i]) + ddir[i] : dh[i];
+    if constexpr (C == Cell::kLSTM) a.dc0[o] = dc[i];
+  }
+}
+
 template <Cell C, typename WT, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int G = C == Cell::kLSTM ? 4 : 3, F = backward_fields(C), RT = kGridRows, N = RT * BT;
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, RT = kGridRows, N = RT * BT;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4), Rp = round_up(R, 4);
+  const int hs = g.hs, R = G * hs, Kp = round_up(g.H, 4), Rp = round_up(R, 4);
   const int Kx = g.nc * hs;  // exchange rows: every block's units (nc * hs >= H, a multiple of 4)
   const Block blk(g);
-  const int rank = blk.rank, j0 = blk.j0, hv = blk.hv, b0 = blk.b0, bv = blk.bv, tid = threadIdx.x;
+  const int rank = blk.rank, j0 = blk.j0, hv = blk.hv, bv = blk.bv, tid = threadIdx.x;
   const int bsp = round_up(g.bs, BT);
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -337,16 +601,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
   load_weights_swizzled(wt_s, ldt, ks, a.w_hh, G, g, blk);
   for (int e = tid; e < bsp * Rp; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
-  const Items it(bv, hv);
-  float dh[kMaxItems], dc[kMaxItems], ddir[kMaxItems];
-#pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    dh[i] = dc[i] = ddir[i] = 0.0f;
-    if (it.b[i] < 0) continue;
-    const int64_t at = static_cast<int64_t>(b0 + it.b[i]) * H + j0 + it.j[i];
-    if (a.dh_n) dh[i] = a.dh_n[at];
-    if (a.dc_n) dc[i] = a.dc_n[at];
-  }
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
@@ -384,52 +638,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     for (int slice = 0; slice < Q; ++slice) v += r[4 * slice * P];
     return v;
   };
-
-  float pnext[kMaxItems][F];
-  auto prefetch = [&](int s) {
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      const int b = it.b[i];
-      if (b < 0) continue;
-      const int len = lens[b];
-      if (s >= 0 && s < len) load_backward_fields<C>(a, b0 + b, j0 + it.j[i], len, s, pnext[i]);
-      if (s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, b0 + b, j0 + it.j[i], len, s - 1, pnext[i]);
-    }
-  };
-  prefetch(smax - 1);
-  for (int s = smax - 1; s >= 0; --s) {
-    const int cur = s & 1;
-    float p[kMaxItems][F];
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i)
-#pragma unroll
-      for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
-    VLSEQ_MARK(1, 0, s);
-    if (s + 1 < smax) gather(cur ^ 1, s + 1);  // dh_t from step s+1's partials
-    VLSEQ_MARK(1, 1, s);
-    float rg[kMaxItems][4], dn[kMaxItems];
-    bool live[kMaxItems];
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      const int b = it.b[i], j = it.j[i];
-      live[i] = false;
-      if (b < 0) continue;
-      const int len = lens[b];
-      if (s + 1 < len) dh[i] = sum_of(b, j) + ddir[i];
-      float* dgb = dg_s + b * Rp + j;  // gate k at dgb[k * hs]
-      if (s >= len) {
-#pragma unroll
-        for (int k = 0; k < G; ++k) dgb[k * hs] = 0.0f;
-        continue;
-      }
-      live[i] = true;
-      backward_cell<C, F>(p[i], dh[i], dc[i], ddir[i], rg[i], dn[i]);
-#pragma unroll
-      for (int k = 0; k < G; ++k) dgb[k * hs] = rg[i][k];
-    }
-    __syncthreads();
-    VLSEQ_MARK(1, 2, s);
-    // Partial dh_{t-1} over this block's rows for every unit, to this block's slot of parity cur.
+  // Partial dh_{t-1} over this block's rows for every unit, to this block's slot of parity cur.
+  auto products = [&](int cur, int s) {
     float* part = xchg(cur, rank);
     for (int first_tile = 0; first_tile < tiles; first_tile += kThreads / ks) {
       const int tile = first_tile + tid / ks, q = tid % ks;
@@ -468,28 +678,147 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
         });
       }
     }
-    VLSEQ_MARK(1, 3, s);
-    bar.arrive();
-    VLSEQ_MARK(1, 4, s);
+  };
+  grid_backward_steps<C, kMaxItems>(a, blk, lens, dg_s, Rp, bar, smax, gather, sum_of, products);
+#endif
+}
+
+// The fp32 grid backward with W_hh^T in registers (where a block's rows fit: fp32 LSTM 1024 on 128
+// blocks, 512 on 128, ...). Shared memory then held only a step's gate gradients, which every lane of
+// a warp reads at the same address (a broadcast): the shared-memory tile of rnn_backward_grid_kernel
+// read a float4 of W^T per 8 FMAs and ran its products at ~40% of the FMA rate. Thread t < nq * ng
+// holds units 4 * quad .. + 3 (quad = t % nq) of W^T for NR of the block's rows (row group t / nq;
+// rows gate-major, k * hs + j): per sample it reads NR / 4 float4s of gate gradients, makes 4 * NR
+// FMAs and stores the 4 units' partial sums as one float4. Partials go to their owner's region,
+// [owner][sample][source][hs] with sources rank * ng + group: an owner reads each sample's partials
+// as one contiguous run (a warp per sample, float4s over the lanes, then a butterfly over the lanes
+// of each unit quad), where the source-major layout above read 32 bytes from each of nc places.
+struct GridRegsShape {
+  int nq, ng, nr;  // nr = 0: the block's rows do not fit (or hs / 4 is not a power of 2)
+  __host__ __device__ GridRegsShape(int G, int H, int hs) {
+    nq = round_up(H, 4) / 4;
+    const int R = G * hs, nu4 = hs / 4;
+    ng = nq > kThreads ? 0 : min(kThreads / nq, ceil_div(R, 8));
+    nr = ng > 0 ? round_up(ceil_div(R, ng), 8) : 0;
+    if (nr > 32 || hs % 4 != 0 || nu4 > 32 || (nu4 & (nu4 - 1)) != 0) nr = 0;
+  }
+};
+// Its shared memory: the step's gate gradients (bs x ng * nr rows, zero past R), the sums of the
+// gathered partials (bs x hs), the lengths.
+struct GridRegsSmem {
+  int dg, red, lens, total;
+  __host__ __device__ GridRegsSmem(const Geometry& g, const GridRegsShape& sh) {
+    int off = 0;
+    dg = off, off += round_up(g.bs * sh.ng * sh.nr * 4, 16);
+    red = off, off += round_up(g.bs * g.hs * 4, 16);
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+// Floats of its exchange buffer: two parities of every group's nc owners x bs samples x nc * ng sources x hs.
+inline int64_t grid_regs_exchange(const Geometry& g, int groups, const GridRegsShape& sh) {
+  return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * g.nc * sh.ng * g.hs;
+}
+// The kernel for a cell and rows per thread (8, 16, 24 or 32): rnn_grid_backward.cu.
+const void* grid_backward_regs_kernel(Cell c, int nr);
+
+template <Cell C, int NR>
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(const BackwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  const Geometry& g = a.g;
+  const int H = g.H, hs = g.hs, R = G * hs;
+  const GridRegsShape sh(G, H, hs);
+  const int ldg = sh.ng * NR, nu4 = hs / 4, nsrc = g.nc * sh.ng;
+  const Block blk(g);
+  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GridRegsSmem lay(g, sh);
+  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
+  float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  // The partials owned by block q at a step of parity `parity`: sample b, source src at [(b * nsrc + src) * hs].
+  auto region = [&](int parity, int q) {
+    return a.xchg + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * g.nc + q) * g.bs * nsrc * hs;
+  };
+
+  const int quad = tid % sh.nq, grp = tid / sh.nq;
+  const bool holder = grp < sh.ng;
+  float w[NR][4];  // w[r][c] = W_hh[row r of the group][4 * quad + c]
 #pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
-      if (!live[i]) continue;
-      const int b = it.b[i];
-      store_gate_grads<C>(a, step_row(g, blk, b, lens[b], s), j0 + it.j[i], rg[i], dn[i]);
+  for (int r = 0; r < NR; ++r) {
+    const int row = grp * NR + r, k = row / hs, j = row - k * hs;
+    const bool real = holder && row < R && j < blk.hv;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int u = 4 * quad + c;
+      w[r][c] = real && u < H ? a.w_hh[static_cast<int64_t>(k * H + blk.j0 + j) * H + u] : 0.0f;
     }
-    prefetch(s - 1);
-    VLSEQ_MARK(1, 5, s);
-    bar.wait();
   }
-  gather(0, 0);
+  for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
+  load_lengths(lens, a.lengths, g, blk);
+  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
+  const int smax = finish_setup(bar, lens, g.bs);
+
+  // A warp per sample running at s_next: its lanes add every kGatherLoads float4s of the sample's
+  // contiguous partials (lane l always unit quad l % nu4), then a butterfly over the lanes of a quad.
+  auto gather = [&](int parity, int s_next) {
+    const float4* base = reinterpret_cast<const float4*>(region(parity, blk.rank));
+    const int n4 = nsrc * nu4;
+    for (int b = warp; b < bv; b += kWarps) {
+      if (s_next >= lens[b]) continue;
+      const float4* src = base + static_cast<int64_t>(b) * n4 + lane;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int e0 = 0; e0 < n4; e0 += 32 * kGatherLoads) {
+        float4 v[kGatherLoads];
 #pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
-    const int b = it.b[i];
-    if (b < 0) continue;
-    const int64_t o = static_cast<int64_t>(b0 + b) * H + j0 + it.j[i];
-    a.dh0[o] = lens[b] > 0 ? sum_of(b, it.j[i]) + ddir[i] : dh[i];
-    if constexpr (C == Cell::kLSTM) a.dc0[o] = dc[i];
-  }
+        for (int u = 0; u < kGatherLoads; ++u)
+          if (e0 + 32 * u + lane < n4) v[u] = __ldcg(src + e0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kGatherLoads; ++u)
+          if (e0 + 32 * u + lane < n4) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
+      }
+      for (int off = nu4; off < 32; off *= 2) {
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+      }
+      if (lane < nu4) red_s[b * nu4 + lane] = acc;
+    }
+    __syncthreads();
+  };
+  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * hs + j]; };
+  // This thread's 4 units' partials of the samples running at s, two samples at a time.
+  auto products = [&](int cur, int s) {
+    if (!holder) return;
+    const int owner = 4 * quad / hs;
+    float* out = region(cur, owner) + (blk.rank * sh.ng + grp) * hs + (4 * quad - owner * hs);
+    const float* dg = dg_s + grp * NR;
+    for (int b = next_running(lens, s, 0, bv); b < bv;) {
+      const int b2 = next_running(lens, s, b + 1, bv), bb = b2 < bv ? b2 : b;
+      float4 p1 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), p2 = p1;
+#pragma unroll
+      for (int r4 = 0; r4 < NR / 4; ++r4) {
+        const float4 x1 = *reinterpret_cast<const float4*>(dg + b * ldg + 4 * r4);
+        const float4 x2 = *reinterpret_cast<const float4*>(dg + bb * ldg + 4 * r4);
+        const float v1[4] = {x1.x, x1.y, x1.z, x1.w}, v2[4] = {x2.x, x2.y, x2.z, x2.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float* wr = w[4 * r4 + i];
+          p1.x = fmaf(wr[0], v1[i], p1.x), p1.y = fmaf(wr[1], v1[i], p1.y);
+          p1.z = fmaf(wr[2], v1[i], p1.z), p1.w = fmaf(wr[3], v1[i], p1.w);
+          p2.x = fmaf(wr[0], v2[i], p2.x), p2.y = fmaf(wr[1], v2[i], p2.y);
+          p2.z = fmaf(wr[2], v2[i], p2.z), p2.w = fmaf(wr[3], v2[i], p2.w);
+        }
+      }
+      __stcg(reinterpret_cast<float4*>(out + static_cast<int64_t>(b) * nsrc * hs), p1);
+      if (b2 < bv) __stcg(reinterpret_cast<float4*>(out + static_cast<int64_t>(b2) * nsrc * hs), p2);
+      b = b2 < bv ? next_running(lens, s, b2 + 1, bv) : bv;
+    }
+  };
+  grid_backward_steps<C, kGridRegItems>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
 #endif
 }
 
@@ -509,6 +838,28 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
     if (fp32) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, float)            \
     if (lstm) VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kLSTM, __nv_bfloat16)   \
     VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)              \
+  }
+
+#define VLSEQ_RNN_GRID_FWD_REGS_TABLE(NAME, KERNEL)                                     \
+  const void* NAME(Cell c, int nr, int nm) {                                            \
+    const bool lstm = c == Cell::kLSTM;                                                 \
+    if (nr == 8 && nm == 4) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 8, 4> : (const void*)&KERNEL<Cell::kGRU, 8, 4>; \
+    if (nr == 16 && nm == 2) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 16, 2> : (const void*)&KERNEL<Cell::kGRU, 16, 2>; \
+    if (nr == 8 && nm == 2) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 8, 2> : (const void*)&KERNEL<Cell::kGRU, 8, 2>; \
+    if (nr == 4 && nm == 8) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 4, 8> : (const void*)&KERNEL<Cell::kGRU, 4, 8>; \
+    return lstm ? (const void*)&KERNEL<Cell::kLSTM, 32, 1> : (const void*)&KERNEL<Cell::kGRU, 32, 1>;                     \
+  }
+#define VLSEQ_RNN_GRID_REGS_SWITCH(KERNEL, CELL)                         \
+  switch (nr) {                                                          \
+    case 8: return reinterpret_cast<const void*>(&KERNEL<CELL, 8>);      \
+    case 16: return reinterpret_cast<const void*>(&KERNEL<CELL, 16>);    \
+    case 24: return reinterpret_cast<const void*>(&KERNEL<CELL, 24>);    \
+    default: return reinterpret_cast<const void*>(&KERNEL<CELL, 32>);    \
+  }
+#define VLSEQ_RNN_GRID_REGS_TABLE(NAME, KERNEL)                                        \
+  const void* NAME(Cell c, int nr) {                                                   \
+    if (c == Cell::kLSTM) VLSEQ_RNN_GRID_REGS_SWITCH(KERNEL, Cell::kLSTM)              \
+    VLSEQ_RNN_GRID_REGS_SWITCH(KERNEL, Cell::kGRU)                                     \
   }
 
 #endif  // __CUDACC__

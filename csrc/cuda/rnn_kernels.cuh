@@ -487,11 +487,12 @@ __device__ __forceinline__ void forward_cell(const float (&x)[G], const float (&
 
 // This thread's (sample, unit) pairs of the block: item i is pair tid + i * kThreads of the
 // row-major bv x hv grid; b = -1 past the end.
+template <int N = kMaxItems>
 struct Items {
-  int b[kMaxItems], j[kMaxItems];
+  int b[N], j[N];
   __device__ __forceinline__ Items(int bv, int hv) {
 #pragma unroll
-    for (int i = 0; i < kMaxItems; ++i) {
+    for (int i = 0; i < N; ++i) {
       const int e = static_cast<int>(threadIdx.x) + i * kThreads;
       b[i] = e < bv * hv ? e / hv : -1;
       j[i] = e < bv * hv ? e - b[i] * hv : 0;
@@ -540,14 +541,13 @@ __device__ __forceinline__ void load_lengths(int* lens, const int64_t* lengths, 
 
 // The outputs at step s of this thread's pairs still running (`live`): y = h, saved = out (what the
 // backward reads, forward_cell), cs = c (LSTM).
-template <Cell C>
-__device__ __forceinline__ void store_step_outputs(const ForwardArgs& a, const Block& blk, const Items& it,
-                                                   const int* lens, int s, const bool (&live)[kMaxItems],
-                                                   const float (&h)[kMaxItems], const float (&c)[kMaxItems],
-                                                   const float (&out)[kMaxItems][4]) {
+template <Cell C, int N>
+__device__ __forceinline__ void store_step_outputs(const ForwardArgs& a, const Block& blk, const Items<N>& it,
+                                                   const int* lens, int s, const bool (&live)[N], const float (&h)[N],
+                                                   const float (&c)[N], const float (&out)[N][4]) {
   const int H = a.g.H;
 #pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
+  for (int i = 0; i < N; ++i) {
     if (!live[i]) continue;
     const int64_t row = step_row(a.g, blk, it.b[i], lens[it.b[i]], s), unit = blk.j0 + it.j[i];
     a.y[row * H + unit] = h[i];
@@ -559,13 +559,13 @@ __device__ __forceinline__ void store_step_outputs(const ForwardArgs& a, const B
 // The input projections at step s of this thread's pairs still running, into x (loaded a step ahead:
 // their latency hides behind the barrier and the next products), and a request to L2 for step s + 1's
 // (a batch's projections outgrow L2; the next register loads then find them there).
-template <int G>
-__device__ __forceinline__ void load_step_inputs(const ForwardArgs& a, const Block& blk, const Items& it,
-                                                 const int* lens, int s, float (&x)[kMaxItems][G]) {
+template <int G, int N>
+__device__ __forceinline__ void load_step_inputs(const ForwardArgs& a, const Block& blk, const Items<N>& it,
+                                                 const int* lens, int s, float (&x)[N][G]) {
   const Geometry& g = a.g;
   const int64_t GH = static_cast<int64_t>(G) * g.H;
 #pragma unroll
-  for (int i = 0; i < kMaxItems; ++i) {
+  for (int i = 0; i < N; ++i) {
     const int b = it.b[i];
     if (b < 0) continue;
     const int len = lens[b];
