@@ -705,12 +705,19 @@ struct GridRegsShape {
 };
 // Its shared memory: the step's gate gradients (bs x ng * nr rows, zero past R), the sums of the
 // gathered partials (bs x hs), the lengths.
+// Samples whose partials the gather stages in shared memory at once: all of them where 160 KiB hold
+// them, else a multiple of 8 (each warp then reuses only its own slots).
+__host__ __device__ inline int grid_gather_samples(const Geometry& g, const GridRegsShape& sh) {
+  const int per = g.nc * sh.ng * g.hs * 4, fit = 160 * 1024 / per;
+  return g.bs <= fit ? g.bs : (fit / 8 > 1 ? fit / 8 : 1) * 8;
+}
 struct GridRegsSmem {
-  int dg, red, lens, total;
+  int dg, red, stage, lens, total;
   __host__ __device__ GridRegsSmem(const Geometry& g, const GridRegsShape& sh) {
     int off = 0;
     dg = off, off += round_up(g.bs * sh.ng * sh.nr * 4, 16);
     red = off, off += round_up(g.bs * g.hs * 4, 16);
+    stage = off, off += grid_gather_samples(g, sh) * g.nc * sh.ng * g.hs * 4;
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -761,31 +768,45 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  // A warp per sample running at s_next: its lanes add every kGatherLoads float4s of the sample's
-  // contiguous partials (lane l always unit quad l % nu4), then a butterfly over the lanes of a quad.
+  // A warp per sample running at s_next: it stages the sample's contiguous partials in shared memory
+  // with cp.async, its lanes add every 32nd float4 (lane l always unit quad l % nu4), then a butterfly
+  // over the lanes of a quad. Slots are reused by the warp that filled them (gs is all the samples or a
+  // multiple of 8), so no block-wide barrier until the sums' own. (Register loads, 8 in flight a lane,
+  // measured the same: 6,700 / 7,800 clocks a step against 7,300 / 7,400 at LSTM / GRU 1024 x 32,
+  // BENCHMARKS.md, twelfth session; this is the version the suite and the bench ran.)
+  const int gs = grid_gather_samples(g, sh);
+  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
   auto gather = [&](int parity, int s_next) {
     const float4* base = reinterpret_cast<const float4*>(region(parity, blk.rank));
     const int n4 = nsrc * nu4;
-    for (int b = warp; b < bv; b += kWarps) {
-      if (s_next >= lens[b]) continue;
-      const float4* src = base + static_cast<int64_t>(b) * n4 + lane;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int e0 = 0; e0 < n4; e0 += 32 * kGatherLoads) {
-        float4 v[kGatherLoads];
-#pragma unroll
-        for (int u = 0; u < kGatherLoads; ++u)
-          if (e0 + 32 * u + lane < n4) v[u] = __ldcg(src + e0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kGatherLoads; ++u)
-          if (e0 + 32 * u + lane < n4) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
+    for (int c0 = 0; c0 < bv; c0 += gs) {
+      const int c1 = min(bv, c0 + gs);
+      __syncwarp();  // this warp's lanes are done with its slots of the last chunk
+      for (int b = c0 + warp; b < c1; b += kWarps) {
+        if (s_next >= lens[b]) continue;
+        const float4* src = base + static_cast<int64_t>(b) * n4;
+        float4* dst = stage_s + (b - c0) * n4;
+        for (int e = lane; e < n4; e += 32) cp_async16(dst + e, src + e);
       }
-      for (int off = nu4; off < 32; off *= 2) {
-        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
-        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
-        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
-        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncwarp();  // every lane's copies, to the whole warp
+      for (int b = c0 + warp; b < c1; b += kWarps) {
+        if (s_next >= lens[b]) continue;
+        const float4* src = stage_s + (b - c0) * n4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int e = lane; e < n4; e += 32) {
+          const float4 v = src[e];
+          acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+        }
+        for (int off = nu4; off < 32; off *= 2) {
+          acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
+          acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
+          acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
+          acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+        }
+        if (lane < nu4) red_s[b * nu4 + lane] = acc;
       }
-      if (lane < nu4) red_s[b * nu4 + lane] = acc;
     }
     __syncthreads();
   };
