@@ -116,12 +116,13 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
 // fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
 // whichever bounds (with W_hh in registers, `fregs` / `regs`: the FMAs of the rows held, padding
-// included, on the threads that hold them); L2 at ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's h, under
-// the products; backward: the partials written under the products, read after the barrier); ~2,500 a
-// direction for the cell and the barrier. The steps measure ~2.5x this (BENCHMARKS.md, eleventh
-// session: the exchanges through L2 take most of the rest), but it ranks the layouts as they
-// measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64
-// blocks over one of 128.
+// included, on the threads that hold them); L2 at ~2.9 KB a clock for the whole GPU (forward: every
+// block reads every sample's h, under the products; backward: the partials written under the products,
+// read after the barrier); ~2,500 a direction for the cell and the barrier. The steps measure 2-2.5x
+// this (the shared-memory tiles' products run at ~45% of the FMA rate, the register kernels issue about
+// half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
+// measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
+// over one of 128.
 double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
                    const GridRegsShape* regs) {
   const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);

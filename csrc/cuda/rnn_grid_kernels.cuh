@@ -6,9 +6,9 @@
 // that these kernels are built for many samples per block, where the generic ones were bound by
 // shared-memory reads and by unoverlapped loads (fp32 LSTM 1024 at batch 32 ran 0.84x of cuDNN):
 //  - products as register tiles of kGridRows rows x BT samples: a thread reads 8 + BT float4s from
-//    shared memory for 32 * BT FMAs (the generic 2-row tile: 2 + BT for 8 * BT), so the reads no longer
-//    bound them (the k loops issue ~70% of the time; the step's rest is the exchange through L2:
-//    BENCHMARKS.md, eleventh session);
+//    shared memory for 32 * BT FMAs (the generic 2-row tile: 2 + BT for 8 * BT); shared memory's
+//    bandwidth then matches the FMAs' rate, and the products ran at ~45% of it (BENCHMARKS.md, eleventh
+//    and twelfth sessions: the exchange through L2 was measured apart and is not what bounds them);
 //  - the forward stages h_{t-1} of the group's samples in chunks of k columns with cp.async into two
 //    buffers: the L2 reads of chunk c + 1 run under the products of chunk c (cp.async.cg reads L2,
 //    never a stale L1 line);
@@ -17,6 +17,8 @@
 //    64 values over 16 lanes where a full butterfly takes 256;
 //  - the backward sums the nc partials of its units with float4 loads spread over the block's threads
 //    (slices of the ranks, then the slices in order: a fixed order, the same bits every run).
+// Where a block's rows fit in registers (fp32), rnn_forward_grid_regs_kernel and
+// rnn_backward_grid_regs_kernel below hold them there instead and read only h or the gate gradients.
 // Samples past their length are neither loaded, multiplied (a tile whose samples have all ended is
 // skipped) nor delivered: nobody reads their products (a sample live at step s was live at s - 1).
 #pragma once
