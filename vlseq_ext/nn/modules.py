@@ -24,17 +24,17 @@ from . import concurrency, functional
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
 KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
-# "auto" follows the rnn bench on an H200 (BENCHMARKS.md, 2026-12-01, ninth session, run 2; forward +
-# backward, ours against cuDNN in the same run). cuDNN stays where it measured faster:
+# "auto" follows the rnn bench on an H200 (BENCHMARKS.md; forward + backward, ours against cuDNN in the
+# same run). cuDNN stays where it measured faster:
 # - unpadded input up to hidden 64, where cuDNN runs its own persistent kernel (ours 0.83x for one
 #   sample, 0.81x for 32); at hidden 128 ours measured faster (LSTM 2.1x / 2.0x for 1 / 32 samples,
 #   GRU 1.3x and bidirectional GRU 1.4x for 32); hidden 65-127 is unmeasured and goes to ours;
-# - unpadded input under bf16 autocast (ours 0.97x at hidden 256, 0.67x at 1024);
-# - the grid layout with 16 or more samples per block where cuDNN would run TF32
-#   (torch.backends.cudnn.allow_tf32, on by default) or bf16: LSTM 1024 at batch 32, ours 1.05x of cuDNN's
-#   TF32 forward and backward but 0.78x forward alone, 0.67x of its bf16; against its exact fp32 ours is
-#   1.67x (eleventh session, run 3).
-# Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.25x at hidden 512 and 2.2x at 1024
+# - unpadded input under bf16 autocast (ours 0.96x at hidden 256, 0.65x at 1024);
+# - the grid layout with 16 or more samples per block under bf16 autocast, or where cuDNN would run TF32
+#   (torch.backends.cudnn.allow_tf32, on by default) and no backward follows (grad off, or nothing that
+#   requires it): LSTM 1024 at batch 32, ours 0.87x of cuDNN's TF32 forward alone but 1.28x of its
+#   forward and backward, 0.65x of its bf16; against its exact fp32 ours is 1.98x (twelfth session, run 5).
+# Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.96x at hidden 512 and 2.5x at 1024
 # for one sample, and 2.9-11x on batches with per-sample lengths, which cuDNN runs packed.
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_CUDNN_GRID_SAMPLES = 16
@@ -131,9 +131,12 @@ class _KernelRNN:
                 return False
             plan = self._plan(batch, x.device)
             per_block = re.search(r"(\d+) samples per block", plan)
-            if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES \
-                    and (torch.backends.cudnn.allow_tf32 or functional.precision_for(x) == "bf16"):
-                return False  # cuDNN's TF32 or bf16 measured faster there
+            if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
+                if functional.precision_for(x) == "bf16":
+                    return False  # cuDNN's bf16 measured faster there
+                backward = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+                if torch.backends.cudnn.allow_tf32 and not backward:
+                    return False  # cuDNN's TF32 forward measured faster; with the backward ours did
         return True
 
     def _run(self, input, hx=None, lengths=None):
