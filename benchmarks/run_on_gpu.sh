@@ -14,7 +14,8 @@
 #   bash benchmarks/run_on_gpu.sh probe    # step timings of the recurrent kernels (benchmarks/probe/step_timing.cu)
 #                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16] [groups] [bt]", ';'-separated;
 #                                          # built into $PROBE_BIN unless that exists), then whether their grid
-#                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu)
+#                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu) and
+#                                          # what their exchange through L2 costs (benchmarks/probe/l2_exchange.cu)
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -85,13 +86,21 @@ if runs probe; then
     ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include -Icsrc/cuda $ti \
       -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
   fi
-  echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1}" | tr ';' '\n' |
+  echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1;1024 32 128;1024 1 128}" | tr ';' '\n' |
     while read -r args; do timeout 30 "$bin" $args; done > "$OUT/step-timing.log" 2>&1 || rc=1
   cat "$OUT/step-timing.log"
   # Whether the grid kernels could run as clusters (benchmarks/probe/cluster_grid.cu).
   ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o /tmp/vlseq_cluster_grid benchmarks/probe/cluster_grid.cu \
     > "$OUT/cluster-grid.log" 2>&1 && timeout 60 /tmp/vlseq_cluster_grid >> "$OUT/cluster-grid.log" 2>&1 || rc=1
   cat "$OUT/cluster-grid.log"
+  # What the grid kernels' exchange through L2 costs on its own (benchmarks/probe/l2_exchange.cu).
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -O3 -o /tmp/vlseq_l2_exchange benchmarks/probe/l2_exchange.cu \
+    > "$OUT/l2-exchange.log" 2>&1 || rc=1
+  for m in none same rotate distinct bulk write gather; do timeout 30 /tmp/vlseq_l2_exchange $m; done >> "$OUT/l2-exchange.log" 2>&1
+  # Clusters of 4 and 8 at one block per SM: 30 and 15 fit on an H200 (120 blocks), so not 128.
+  for bc in "128 2" "120 4" "120 8"; do read -r nb cs <<< "$bc"; timeout 30 /tmp/vlseq_l2_exchange multicast $nb 128 200 $cs; done \
+    >> "$OUT/l2-exchange.log" 2>&1
+  cat "$OUT/l2-exchange.log"
 fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1

@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "probe_launch.h"
+
 enum Mode { kNone, kSame, kRotate, kDistinct, kBulk, kMulticast, kWrite, kGather };
 constexpr int kThreads = 256;
 
@@ -140,19 +142,7 @@ int main(int argc, char** argv) {
   cudaMalloc(&clocks, blocks * 8);
   cudaMemset(src, 0, region);
   const int smem = mode == kNone || mode == kWrite || mode == kGather ? 1024 : bytes;
-  cudaFuncSetAttribute(exchange, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaFuncSetAttribute(exchange, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute at[2] = {};
-  at[0].id = cudaLaunchAttributeCooperative;
-  at[0].val.cooperative = 1;
-  at[1].id = cudaLaunchAttributeClusterDimension;
-  at[1].val.clusterDim.x = csize, at[1].val.clusterDim.y = 1, at[1].val.clusterDim.z = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = 2;
+  ProbeLaunch l(reinterpret_cast<const void*>(exchange), blocks, kThreads, smem, true, csize);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
@@ -161,7 +151,7 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < 5; ++rep) {
     cudaMemset(counter, 0, 4);
     cudaEventRecord(e0);
-    const cudaError_t le = cudaLaunchKernelEx(&cfg, exchange, mode, bytes, steps, csize, static_cast<const float*>(src),
+    const cudaError_t le = cudaLaunchKernelEx(&l.cfg, exchange, mode, bytes, steps, csize, static_cast<const float*>(src),
                                               dst, counter, clocks, sink);
     cudaEventRecord(e1);
     const cudaError_t se = cudaEventSynchronize(e1);

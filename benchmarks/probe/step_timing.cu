@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "probe_launch.h"
 #include "rnn_grid_kernels.cuh"
 #include "rnn_scatter_kernel.cuh"
 
@@ -40,27 +41,12 @@ float* upload(size_t n, float scale) {
 
 template <typename A>
 void launch(const void* kernel, const A& args, int blocks, int nc, int smem, bool grid = false) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute at = {};
-  if (grid) {
-    at.id = cudaLaunchAttributeCooperative;
-    at.val.cooperative = 1;
-  } else {
-    at.id = cudaLaunchAttributeClusterDimension;
-    at.val.clusterDim.x = nc, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
-  }
-  cfg.attrs = &at;
-  cfg.numAttrs = nc > 1 ? 1 : 0;
+  ProbeLaunch l(kernel, blocks, kThreads, smem, grid, grid ? 1 : nc);
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
   cudaEventRecord(a);
   void* params[] = {const_cast<A*>(&args)};
-  cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, params);
+  cudaError_t e = cudaLaunchKernelExC(&l.cfg, kernel, params);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
   float ms;
