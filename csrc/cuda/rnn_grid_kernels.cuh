@@ -207,10 +207,7 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
     float x[I][G];
-#pragma unroll
-    for (int i = 0; i < I; ++i)
-#pragma unroll
-      for (int k = 0; k < G; ++k) x[i][k] = xnext[i][k];
+    copy_items(x, xnext);
     VLSEQ_MARK(0, 0, s);
     products(s, xchg(cur));
     VLSEQ_MARK(0, 3, s);
@@ -521,10 +518,7 @@ __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const
   for (int s = smax - 1; s >= 0; --s) {
     const int cur = s & 1;
     float p[I][F];
-#pragma unroll
-    for (int i = 0; i < I; ++i)
-#pragma unroll
-      for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
+    copy_items(p, pnext);
     VLSEQ_MARK(1, 0, s);
     if (s + 1 < smax) gather(cur ^ 1, s + 1);  // dh_t from step s+1's partials
     VLSEQ_MARK(1, 1, s);

@@ -500,6 +500,15 @@ struct Items {
   }
 };
 
+// A step's per-pair registers from those loaded a step ahead.
+template <int N, int F>
+__device__ __forceinline__ void copy_items(float (&dst)[N][F], const float (&src)[N][F]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int f = 0; f < F; ++f) dst[i][f] = src[i][f];
+}
+
 // Where this block sits: group `group` runs samples [b0, b0 + bv), block `rank` of it owns hidden
 // units [j0, j0 + hv).
 struct Block {
@@ -642,10 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const ForwardA
     const int cur = s & 1;
     if (cluster) mbox.expect(cur ^ 1, static_cast<uint32_t>(bv * H * 4));
     float x[kMaxItems][G];
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i)
-#pragma unroll
-      for (int q = 0; q < G; ++q) x[i][q] = xnext[i][q];
+    copy_items(x, xnext);
     VLSEQ_MARK(0, 0, s);
     // Recurrent products: gates_s[b * R + r] = W_hh row r . h_{t-1} of sample b.
     matvec<BT>(w_s, ldw, R, Kp / 4, h_s + cur * hbuf, Kp, bv, ks,
@@ -790,10 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Backwar
     const int cur = s & 1;
     if (cluster) mbox.expect(cur, static_cast<uint32_t>(g.nc * bv * hv * 4));
     float p[kMaxItems][F];
-#pragma unroll
-    for (int i = 0; i < kMaxItems; ++i)
-#pragma unroll
-      for (int f = 0; f < F; ++f) p[i][f] = pnext[i][f];
+    copy_items(p, pnext);
     VLSEQ_MARK(1, 0, s);
     VLSEQ_MARK(1, 1, s);
     float out[kMaxItems][G + 1];
