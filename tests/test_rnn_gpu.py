@@ -198,10 +198,21 @@ def test_too_large_falls_back_with_one_warning(rand):
     torch.testing.assert_close(out, want)
 
 
-def test_same_bits_run_to_run(rand):
-    ref, mod, x, lens, hx = make(rand, nn.LSTM, 36, 256, layers=2, bidirectional=True,
-                                 lengths=random_lengths(rand, 7, 1, 90))
-    up = [rand.randn(7, 90, 512, device=DEV), rand.randn(4, 7, 256, device=DEV), rand.randn(4, 7, 256, device=DEV)]
+@pytest.mark.parametrize("cls,H,B,layers,bidirectional", [
+    (nn.LSTM, 256, 7, 2, True),   # clusters
+    (nn.LSTM, 1024, 32, 1, False),  # the grid layout, W_hh in registers
+    (nn.GRU, 1024, 32, 1, False),
+])
+def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional):
+    """Every sum in a fixed order: outputs, states and every gradient repeat bit for bit."""
+    if H == 1024:
+        plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "fp32", DEV)
+        assert "W_hh in registers (forward and backward)" in plan, plan
+    ref, mod, x, lens, hx = make(rand, cls, 36, H, layers=layers, bidirectional=bidirectional,
+                                 lengths=random_lengths(rand, B, 1, 90))
+    dirs = 2 if bidirectional else 1
+    states = 2 if cls is nn.LSTM else 1
+    up = [rand.randn(B, 90, dirs * H, device=DEV)] + [rand.randn(layers * dirs, B, H, device=DEV) for _ in range(states)]
     first = run_and_grads(mod, x.to(DEV), lens, _to(hx, device=DEV), up)
     for _ in range(3):
         again = run_and_grads(mod, x.to(DEV), lens, _to(hx, device=DEV), up)
