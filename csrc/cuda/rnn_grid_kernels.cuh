@@ -325,9 +325,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_kernel(const For
 // for 8 rows: 2 measured 27.8 K clocks a step at LSTM 1024 x 32, 4 24.2 K, but one running sample then
 // still pays for 4) and the warp's lanes combine their SP * NR partial sums with one reduce-scatter
 // butterfly (store_lane_totals); the nwg warps' sums meet in shared memory, added in a fixed order by
-// the cell. h_{t-1} of all the group's samples is staged
-// at once (cp.async, in chunks of 8 samples, each awaited before its products): shared memory holds
-// no weights, so it has the room.
+// the cell. h_{t-1} of all the group's samples is staged at once (cp.async, in chunks of 8 samples,
+// each awaited before its products): shared memory holds no weights, so it has the room.
 constexpr int kGridFwdChunk = 8;  // samples per staged chunk of h
 struct GridFwdRegsShape {
   int nr, nm;       // rows and float4 chunks of columns per thread
@@ -689,8 +688,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_kernel(const Ba
 // rows gate-major, k * hs + j): per sample it reads NR / 4 float4s of gate gradients, makes 4 * NR
 // FMAs and stores the 4 units' partial sums as one float4. Partials go to their owner's region,
 // [owner][sample][source][hs] with sources rank * ng + group: an owner reads each sample's partials
-// as one contiguous run (a warp per sample, float4s over the lanes, then a butterfly over the lanes
-// of each unit quad), where the source-major layout above read 32 bytes from each of nc places.
+// as one contiguous run (a warp per sample, staged in shared memory, float4s over the lanes, then a
+// butterfly over the lanes of each unit quad), where the source-major layout above read 32 bytes from
+// each of nc places.
 struct GridRegsShape {
   int nq, ng, nr;  // nr = 0: the block's rows do not fit (or hs / 4 is not a power of 2)
   __host__ __device__ GridRegsShape(int G, int H, int hs) {
@@ -701,14 +701,14 @@ struct GridRegsShape {
     if (nr > 32 || hs % 4 != 0 || nu4 > 32 || (nu4 & (nu4 - 1)) != 0) nr = 0;
   }
 };
-// Its shared memory: the step's gate gradients (bs x ng * nr rows, zero past R), the sums of the
-// gathered partials (bs x hs), the lengths.
 // Samples whose partials the gather stages in shared memory at once: all of them where 160 KiB hold
 // them, else a multiple of 8 (each warp then reuses only its own slots).
 __host__ __device__ inline int grid_gather_samples(const Geometry& g, const GridRegsShape& sh) {
   const int per = g.nc * sh.ng * g.hs * 4, fit = 160 * 1024 / per;
   return g.bs <= fit ? g.bs : (fit / 8 > 1 ? fit / 8 : 1) * 8;
 }
+// Its shared memory: the step's gate gradients (bs x ng * nr rows, zero past R), the sums of the
+// gathered partials (bs x hs), the staged partials, the lengths.
 struct GridRegsSmem {
   int dg, red, stage, lens, total;
   __host__ __device__ GridRegsSmem(const Geometry& g, const GridRegsShape& sh) {
@@ -724,7 +724,7 @@ struct GridRegsSmem {
 inline int64_t grid_regs_exchange(const Geometry& g, int groups, const GridRegsShape& sh) {
   return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * g.nc * sh.ng * g.hs;
 }
-// The kernel for a cell and rows per thread (8, 16, 24 or 32): rnn_grid_backward.cu.
+// The kernel for a cell and rows per thread (8, 16, 24 or 32): rnn_grid_backward_regs.cu.
 const void* grid_backward_regs_kernel(Cell c, int nr);
 
 template <Cell C, int NR>
