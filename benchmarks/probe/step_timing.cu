@@ -120,16 +120,15 @@ int main(int argc, char** argv) {
     static const char* gf[] = {"stage0", "products", "reduce+sync", "cell", "arrive", "stores+prefetch", "wait"};
     launch(grid_forward_kernel(cell, wt, bt), fa, blocks, nc, GridForwardSmem(g, G, wbytes, bt).total, true);
     report(0, 7, T, gf);
-    for (const auto& rc : kGridFwdRegsShapes) {
-      const GridFwdRegsShape fsh(G, H, hs, rc[0], rc[1]);
-      if (bf16 || fsh.ng == 0 || B * hs > kThreads * kGridRegItems) continue;
-      if (GridFwdRegsSmem(g, fsh).total > static_cast<int>(p.sharedMemPerBlockOptin)) continue;
+    // The planner's choices (rnn.cu, grid_plan).
+    const bool regs_pairs = grid_regs_pairs_fit(g, !bf16);
+    const GridFwdRegsShape fsh = grid_fwd_regs_shape(g, G, p.sharedMemPerBlockOptin);
+    if (regs_pairs && fsh.nr > 0) {
       printf(" W_hh in registers (%d rows x %d chunks per thread, %d warps per row group):\n", fsh.nr, fsh.nm, fsh.nwg);
       cudaMemset(arrivals, 0, groups * 4);
       static const char* gfr[] = {"stage", "products", "sums+sync", "cell", "arrive", "stores+prefetch", "wait"};
       launch(grid_forward_regs_kernel(cell, fsh.nr, fsh.nm), fa, blocks, nc, GridFwdRegsSmem(g, fsh).total, true);
       report(0, 7, T, gfr);
-      break;
     }
     float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
     float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);
@@ -142,7 +141,7 @@ int main(int argc, char** argv) {
     launch(grid_backward_kernel(cell, wt, bt), ba, blocks, nc, GridBackwardSmem(g, G, wbytes, bt).total, true);
     report(1, 6, T, gb);
     const GridRegsShape sh(G, H, hs);
-    if (!bf16 && sh.nr > 0 && B * hs <= kThreads * kGridRegItems) {
+    if (regs_pairs && sh.nr > 0) {
       printf(" W_hh^T in registers (%d rows per thread, %d row groups):\n", sh.nr, sh.ng);
       float* rx;
       cudaMalloc(&rx, grid_regs_exchange(g, groups, sh) * 4);

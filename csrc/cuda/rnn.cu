@@ -219,17 +219,9 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
       if (fwd > optin) g.chunk = 0;
     }
     if (g.chunk == 0) continue;
-    // Each direction with W_hh in registers where the block's rows fit them (fp32): the forward's first
-    // (rows, chunks) per thread that holds them and whose staged h fits.
-    const bool few_pairs = w == Weights::kFP32 && bs * hs <= kThreads * kGridRegItems;
-    GridFwdRegsShape fsh(G, H, hs, 0, 0);
-    for (const auto& rc : kGridFwdRegsShapes) {
-      const GridFwdRegsShape c(G, H, hs, rc[0], rc[1]);
-      if (few_pairs && c.ng > 0 && GridFwdRegsSmem(g, c).total <= optin) {
-        fsh = c;
-        break;
-      }
-    }
+    // Each direction with W_hh in registers where the block's rows fit them (fp32).
+    const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32);
+    const GridFwdRegsShape fsh = few_pairs ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
     const bool fregs = fsh.nr > 0;
     if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
     const GridRegsShape sh(G, H, hs);
@@ -373,14 +365,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor c_n = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
   at::Tensor saved = at::empty({z.B, z.T, 4 * z.H}, opts);  // defined within each sample's length
   at::Tensor cs = lstm ? at::empty({z.B, z.T, z.H}, opts) : at::empty({0}, opts);
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   at::Tensor xchg, arrivals;
-  if (plan.sync == static_cast<int>(Sync::kGrid)) {
+  if (grid) {
     // Rows of round_up(H, 4) for 16-byte copies; the padding stays zero (nobody writes it).
     xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const at::Tensor order =
-      samples_by_length(lengths, plan.sync != static_cast<int>(Sync::kGrid) && plan.fused_forward);
+  const at::Tensor order = samples_by_length(lengths, !grid && plan.fused_forward);
   ForwardArgs a{geometry(plan, z, reverse),
                 xproj.const_data_ptr<float>(),
                 w_hh.const_data_ptr<float>(),
@@ -396,7 +388,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 lstm ? cs.data_ptr<float>() : nullptr,
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   launch(grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                     ? grid_forward_kernel(z.cell, z.weights, plan.bt)
                                     : forward_kernel(z.cell, z.weights, plan.bt, plan.fused_forward),
@@ -418,14 +409,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor dgates_hn = lstm ? at::empty({0}, opts) : at::zeros({z.B, z.T, z.H}, opts);
   at::Tensor dh0 = at::empty({z.B, z.H}, opts);
   at::Tensor dc0 = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   at::Tensor xchg, arrivals;
-  if (plan.sync == static_cast<int>(Sync::kGrid)) {
+  if (grid) {
     xchg = at::empty({plan.fused_backward ? grid_regs_exchange(geometry(plan, z, reverse), plan.groups, regs_shape(plan, z))
                                           : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
                      opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   const at::Tensor order = samples_by_length(lengths, !grid && (plan.fused_backward || plan.scatter_backward));
   BackwardArgs a{geometry(plan, z, reverse),
                  w_hh.const_data_ptr<float>(),

@@ -39,6 +39,9 @@ constexpr int kGridUnroll = VLSEQ_RNN_GRID_UNROLL;
 #define VLSEQ_RNN_GATHER_LOADS 8
 #endif
 constexpr int kGatherLoads = VLSEQ_RNN_GATHER_LOADS;
+// (sample, unit) pairs per thread of the kernels with W_hh in registers (their cells' state shares the
+// registers with W_hh): they take a block only where bs * hs <= kThreads * kGridRegItems.
+constexpr int kGridRegItems = 2;
 
 // Dynamic shared memory of the grid forward: the block's rows of W_hh (rows padded to kGridRows,
 // columns to Kp + 4), two buffers of h (the group's samples padded to the batch tile, g.chunk columns
@@ -163,8 +166,6 @@ __device__ __forceinline__ int next_running(const int* lens, int s, int b, int b
   return b;
 }
 
-// (sample, unit) pairs per thread of the kernels with W_hh in registers: the planner keeps bs * hs <= 512.
-constexpr int kGridRegItems = 2;
 // The longest length of samples [b, b + n) of the block's lengths (0 past the group's bs).
 __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
   int m = 0;
@@ -353,6 +354,17 @@ struct GridFwdRegsSmem {
     total = off;
   }
 };
+// Whether a block's (sample, unit) pairs suit the kernels with W_hh in registers (fp32 only).
+inline bool grid_regs_pairs_fit(const Geometry& g, bool fp32) { return fp32 && g.bs * g.hs <= kThreads * kGridRegItems; }
+// The forward's first (rows, chunks) per thread of kGridFwdRegsShapes that holds the block's rows and
+// whose staged h fits in `optin` bytes of shared memory; nr = 0 if none.
+inline GridFwdRegsShape grid_fwd_regs_shape(const Geometry& g, int G, int64_t optin) {
+  for (const auto& rc : kGridFwdRegsShapes) {
+    const GridFwdRegsShape c(G, g.H, g.hs, rc[0], rc[1]);
+    if (c.ng > 0 && GridFwdRegsSmem(g, c).total <= optin) return c;
+  }
+  return GridFwdRegsShape(G, g.H, g.hs, 0, 0);
+}
 // The kernel for a cell and (rows, chunks) per thread, one of kGridFwdRegsShapes: rnn_grid_forward_regs.cu.
 const void* grid_forward_regs_kernel(Cell c, int nr, int nm);
 
@@ -859,14 +871,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
     VLSEQ_RNN_GRID_SWITCH(KERNEL, Cell::kGRU, __nv_bfloat16)              \
   }
 
-#define VLSEQ_RNN_GRID_FWD_REGS_TABLE(NAME, KERNEL)                                     \
-  const void* NAME(Cell c, int nr, int nm) {                                            \
-    const bool lstm = c == Cell::kLSTM;                                                 \
-    if (nr == 8 && nm == 4) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 8, 4> : (const void*)&KERNEL<Cell::kGRU, 8, 4>; \
-    if (nr == 16 && nm == 2) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 16, 2> : (const void*)&KERNEL<Cell::kGRU, 16, 2>; \
-    if (nr == 8 && nm == 2) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 8, 2> : (const void*)&KERNEL<Cell::kGRU, 8, 2>; \
-    if (nr == 4 && nm == 8) return lstm ? (const void*)&KERNEL<Cell::kLSTM, 4, 8> : (const void*)&KERNEL<Cell::kGRU, 4, 8>; \
-    return lstm ? (const void*)&KERNEL<Cell::kLSTM, 32, 1> : (const void*)&KERNEL<Cell::kGRU, 32, 1>;                     \
+// (rows, chunks) as in kGridFwdRegsShapes; the last, (32, 1), for anything else.
+#define VLSEQ_RNN_GRID_FWD_REGS_CASES(KERNEL, CELL)                                     \
+  if (nr == 8 && nm == 4) return reinterpret_cast<const void*>(&KERNEL<CELL, 8, 4>);   \
+  if (nr == 16 && nm == 2) return reinterpret_cast<const void*>(&KERNEL<CELL, 16, 2>); \
+  if (nr == 8 && nm == 2) return reinterpret_cast<const void*>(&KERNEL<CELL, 8, 2>);   \
+  if (nr == 4 && nm == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8>);   \
+  return reinterpret_cast<const void*>(&KERNEL<CELL, 32, 1>);
+#define VLSEQ_RNN_GRID_FWD_REGS_TABLE(NAME, KERNEL)                      \
+  const void* NAME(Cell c, int nr, int nm) {                             \
+    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_FWD_REGS_CASES(KERNEL, Cell::kLSTM) } \
+    VLSEQ_RNN_GRID_FWD_REGS_CASES(KERNEL, Cell::kGRU)                    \
   }
 #define VLSEQ_RNN_GRID_REGS_SWITCH(KERNEL, CELL)                         \
   switch (nr) {                                                          \
