@@ -127,17 +127,21 @@ class _KernelRNN:
                 _warn_once(reason)
             return False
         if self.kernels == "auto":
-            if not padded and (self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN or functional.precision_for(x) == "bf16"):
+            bf16 = functional.precision_for(x) == "bf16"
+            if not padded and (self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN or bf16):
                 return False
             plan = self._plan(batch, x.device)
             per_block = re.search(r"(\d+) samples per block", plan)
             if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
-                if functional.precision_for(x) == "bf16":
+                if bf16:
                     return False  # cuDNN's bf16 measured faster there
-                backward = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-                if torch.backends.cudnn.allow_tf32 and not backward:
+                if torch.backends.cudnn.allow_tf32 and not self._backward_follows(x):
                     return False  # cuDNN's TF32 forward measured faster; with the backward ours did
         return True
+
+    def _backward_follows(self, x: Tensor) -> bool:
+        """Whether autograd records this call: grad mode on and the input or a parameter requires grad."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _run(self, input, hx=None, lengths=None):
         if isinstance(input, PackedSequence):
