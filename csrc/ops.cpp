@@ -43,7 +43,8 @@ TORCH_LIBRARY(vlseq_ext, m) {
   // One LSTM/GRU layer in one direction over a zero-padded batch with per-sample lengths: the
   // recurrence only (input projection before, weight gradients after). Semantics, shapes and
   // outputs: csrc/include/vlseq/rnn.h. On CUDA one persistent launch keeps W_hh on chip for all
-  // steps (csrc/cuda/rnn.cu). cell: lstm | gru; weights: fp32 | bf16 (W_hh's precision on chip).
+  // steps (csrc/cuda/rnn.cu). cell: lstm | gru; weights: fp32 | tf32 | bf16 (the
+  // recurrent products' precision: vlseq/rnn_types.h).
   // max_blocks: the SMs the launch may plan for (0: the whole GPU; half of it lets a bidirectional
   // layer's two directions run side by side). Forward and backward of a layer must pass the same.
   m.def("rnn_forward(str cell, Tensor xproj, Tensor w_hh, Tensor? b_hh, Tensor h0, Tensor? c0, Tensor lengths, "

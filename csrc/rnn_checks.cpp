@@ -78,7 +78,8 @@ Cell parse_cell(const char* op, const std::string& name) {
 Weights parse_weights(const char* op, const std::string& name) {
   if (name == "fp32") return Weights::kFP32;
   if (name == "bf16") return Weights::kBF16;
-  TORCH_CHECK(false, op, ": weights must be \"fp32\" or \"bf16\", got \"", name, "\"");
+  if (name == "tf32") return Weights::kTF32;
+  TORCH_CHECK(false, op, ": weights must be \"fp32\", \"tf32\" or \"bf16\", got \"", name, "\"");
 }
 
 Sizes check_forward(const std::string& cell, const at::Tensor& xproj, const at::Tensor& w_hh,

@@ -198,16 +198,20 @@ def test_too_large_falls_back_with_one_warning(rand):
     torch.testing.assert_close(out, want)
 
 
-@pytest.mark.parametrize("cls,H,B,layers,bidirectional", [
-    (nn.LSTM, 256, 7, 2, True),   # clusters
-    (nn.LSTM, 1024, 32, 1, False),  # the grid layout, W_hh in registers
-    (nn.GRU, 1024, 32, 1, False),
+@pytest.mark.parametrize("cls,H,B,layers,bidirectional,tf32", [
+    (nn.LSTM, 256, 7, 2, True, False),   # clusters
+    (nn.LSTM, 1024, 32, 1, False, False),  # the grid layout, W_hh in registers
+    (nn.GRU, 1024, 32, 1, False, False),
+    (nn.LSTM, 1024, 32, 1, False, True),  # the grid layout, TF32 on the tensor cores
+    (nn.GRU, 1024, 32, 1, False, True),
 ])
-def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional):
+def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional, tf32):
     """Every sum in a fixed order: outputs, states and every gradient repeat bit for bit."""
+    torch.backends.cudnn.allow_tf32 = tf32  # the fixture restores it
     if H == 1024:
-        plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "fp32", DEV)
+        plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "tf32" if tf32 else "fp32", DEV)
         assert "W_hh in registers (forward and backward)" in plan, plan
+        assert ("TF32 products on the tensor cores (forward and backward)" in plan) == tf32, plan
     ref, mod, x, lens, hx = make(rand, cls, 36, H, layers=layers, bidirectional=bidirectional,
                                  lengths=random_lengths(rand, B, 1, 90))
     dirs = 2 if bidirectional else 1
@@ -333,6 +337,38 @@ def test_tf32_mode_tolerance(rand):
     compare(rand, nn.LSTM, 36, 256, layers=2, lengths=random_lengths(rand, 8, 1, 100), rtol=2e-3)
 
 
+# The TF32 kernels' error, relative norm, against the fp32 kernels (W_hh and h or the gate gradients
+# rounded to TF32's 10-bit mantissa, products summed in fp32): 0.5-3.9e-4 measured over 30 steps
+# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5.
+TF32_OP_TOL = 2e-3
+
+
+@pytest.mark.parametrize("cell,H,lens,reverse", [
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False),
+    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True),
+    ("lstm", 1001, [30, 4, 17], True),  # a last block with one unit, padding columns
+    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False),  # other shapes of both kernels
+])
+def test_op_grid_layout_tf32(rand, cell, H, lens, reverse):
+    """weights "tf32" on the grid layout: both directions' products on the tensor cores; every output of
+    both ops against the CPU kernels in fp32 within TF32_OP_TOL, and samples past their length untouched."""
+    plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV)
+    assert plan.startswith("grid") and "TF32 products on the tensor cores (forward and backward)" in plan, plan
+    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", tol=TF32_OP_TOL)
+
+
+def test_tf32_modules_follow_cudnns_flag(rand):
+    """vlseq_ext.nn runs "tf32" where cuDNN would (cudnn.allow_tf32) and exact fp32 where it would not: an
+    LSTM 1024 on the grid layout, its outputs and gradients against float64."""
+    lens = random_lengths(rand, 12, 1, 40)
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    assert vnn.functional.precision_for(torch.zeros(1, device=DEV)) == "tf32"
+    compare(rand, nn.LSTM, 36, 1024, lengths=lens, rtol=TF32_OP_TOL)
+    torch.backends.cudnn.allow_tf32 = False
+    assert vnn.functional.precision_for(torch.zeros(1, device=DEV)) == "fp32"
+    compare(rand, nn.LSTM, 36, 1024, lengths=lens)
+
+
 def test_bf16_autocast_tolerance(rand):
     ref, mod, x, lens, hx = make(rand, nn.LSTM, 36, 256, lengths=random_lengths(rand, 8, 1, 100))
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -360,7 +396,7 @@ def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_bl
     outs = {}
     for dev in ("cpu", DEV):
         on = [None if t is None else t.to(dev) for t in (xp, w, b, h0, c0, torch.tensor(lens), dy, dh_n, dc_n)]
-        prec = weights if dev != "cpu" else "fp32"
+        prec = weights if dev != "cpu" else "fp32"  # (tf32 on the CPU is fp32 too)
         y, h_n, c_n, saved, cs = ops.rnn_forward(cell, *on[:6], reverse, prec, max_blocks=max_blocks)
         grads = ops.rnn_backward(cell, on[1], y, saved, cs, on[3], on[4], on[5], *on[6:], reverse, prec,
                                  max_blocks=max_blocks)

@@ -32,7 +32,7 @@ def within_lengths(t, lengths):
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "tf32", "bf16"])
 def test_kernel_matches_reference(rand, cell, reverse, weights):
     lengths = [7, 1, 3, 0, 5, 12]  # 0 runs no step; 12 > T is clamped to T
     a = op_inputs(rand, cell, 6, 7, 5, lengths)
@@ -53,6 +53,24 @@ def test_kernel_matches_reference(rand, cell, reverse, weights):
     for i, (g, w) in enumerate(zip(gg, gw)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"backward output {i}")
     assert gg[0][1, 1:].abs().max() == 0  # zero gradient past the length
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_tf32_is_fp32_on_the_cpu(rand, cell):
+    """The tensor cores' mode has no CPU meaning: "tf32" computes exactly what "fp32" does (as torch's CPU
+    matmul ignores allow_tf32), forward and backward, bit for bit."""
+    lengths = [6, 2, 0, 4]
+    a = op_inputs(rand, cell, 4, 6, 5, lengths)
+    outs = {w: ops.rnn_forward(cell, **a, weights=w) for w in ("fp32", "tf32")}
+    dy, dh = rand.randn(4, 6, 5), rand.randn(4, 5)
+    for w, (y, _, _, saved, cs) in outs.items():
+        outs[w] = list(outs[w]) + list(ops.rnn_backward(cell, a["w_hh"], y, saved, cs, a["h0"], a["c0"], a["lengths"],
+                                                         dy, dh, None, weights=w))
+    for i, (x, t) in enumerate(zip(outs["fp32"], outs["tf32"])):
+        if 3 <= i <= 4 and x.numel():  # saved/cs: defined within each sample's length only
+            x, t = within_lengths(x, lengths), within_lengths(t, lengths)
+        assert torch.equal(x, t), f"output {i}"
+    assert F.precision_for(torch.zeros(1)) == "fp32"  # and the modules never ask for it off the GPU
 
 
 def test_missing_upstream_gradients_count_as_zero(rand):
@@ -152,7 +170,7 @@ def test_argument_checks_name_the_problem(rand):
         call(lengths=torch.tensor([1, 2], dtype=torch.int32))
     with raises_matching(RuntimeError, "xproj must be contiguous"):
         call(xproj=rand.randn(2, 16, 3).transpose(1, 2))
-    with raises_matching(RuntimeError, 'weights must be "fp32" or "bf16"'):
+    with raises_matching(RuntimeError, 'weights must be "fp32", "tf32" or "bf16"'):
         ops.rnn_forward("lstm", **a, weights="fp16")
     with raises_matching(RuntimeError, "a GRU has no cell state"):
         ops.rnn_forward("gru", **{**op_inputs(rand, "gru", 2, 3, 4, [3, 2]), "c0": a["c0"]})

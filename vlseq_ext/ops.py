@@ -293,7 +293,9 @@ def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], 
     """One LSTM/GRU layer in one direction over a zero-padded batch with per-sample lengths: the
     recurrence after the input projection. Returns (y, h_n, c_n, saved, cs); see
     csrc/include/vlseq/rnn.h for shapes and what each holds. `cell`: "lstm" | "gru"; `weights`:
-    "fp32" | "bf16" (W_hh's precision in the recurrent products; state and sums stay fp32). All
+    "fp32" | "tf32" | "bf16" (the recurrent products' precision: "tf32" runs them on the tensor cores
+    where the grid layout has a kernel for the shape, as fp32 elsewhere and on the CPU; state and sums
+    stay fp32). All
     float32 and contiguous on one device, lengths int64 there (clamped to [0, T] by the kernels).
     On CUDA one persistent launch runs every step (csrc/cuda/rnn.cu), planned for at most
     `max_blocks` SMs (0: the whole GPU; rnn_backward must get the same). Writes only new tensors."""

@@ -210,8 +210,8 @@ def _rnn_check(op: str, cell: str, weights: str, tensors) -> None:
     """The checks that keep the reference from computing garbage; the kernels' checks are fuller."""
     if cell not in ("lstm", "gru"):
         raise RuntimeError(f'{op}: cell must be "lstm" or "gru", got "{cell}"')
-    if weights not in ("fp32", "bf16"):
-        raise RuntimeError(f'{op}: weights must be "fp32" or "bf16", got "{weights}"')
+    if weights not in ("fp32", "tf32", "bf16"):
+        raise RuntimeError(f'{op}: weights must be "fp32", "tf32" or "bf16", got "{weights}"')
     for name, t, shape in tensors:
         if t.dtype != (torch.int64 if name == "lengths" else torch.float32):
             raise RuntimeError(f"{op}: {name} must be {'int64' if name == 'lengths' else 'float32'}, got {t.dtype}")
@@ -220,6 +220,7 @@ def _rnn_check(op: str, cell: str, weights: str, tensors) -> None:
 
 
 def _rnn_weights(w_hh: Tensor, weights: str) -> Tensor:
+    # tf32 computes in fp32 off the GPU's tensor cores, as the CPU kernels do
     return w_hh.to(torch.bfloat16).to(w_hh.dtype) if weights == "bf16" else w_hh
 
 

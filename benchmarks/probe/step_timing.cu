@@ -4,7 +4,8 @@
 // batch tile the planner would take; 480 steps,
 // each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
 // reduce-scatter backward where they fit; nc > 16: the grid kernels, launched cooperatively, h staged
-// in the chunks the planner would pick; the backward also with W_hh^T in registers where it fits). Several groups make the batch's tensors outgrow L2, as in
+// in the chunks the planner would pick; both directions also with W_hh in registers and with TF32 MMAs
+// where they fit). Several groups make the batch's tensors outgrow L2, as in
 // the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0,
 // the fused kernels do not ask L2 for the step after next's inputs (the A/B of BENCHMARKS.md, ninth session).
 #define VLSEQ_RNN_TIMING 1
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "probe_launch.h"
-#include "rnn_grid_kernels.cuh"
+#include "rnn_grid_tf32_kernels.cuh"
 #include "rnn_scatter_kernel.cuh"
 
 using namespace vlseq::rnn;
@@ -28,6 +29,8 @@ VLSEQ_RNN_GRID_TABLE(grid_forward_kernel, rnn_forward_grid_kernel)
 VLSEQ_RNN_GRID_TABLE(grid_backward_kernel, rnn_backward_grid_kernel)
 VLSEQ_RNN_GRID_REGS_TABLE(grid_backward_regs_kernel, rnn_backward_grid_regs_kernel)
 VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_kernel)
+VLSEQ_RNN_GRID_TF32_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_FWD_CASES)
+VLSEQ_RNN_GRID_TF32_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_BWD_CASES)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -130,6 +133,14 @@ int main(int argc, char** argv) {
       launch(grid_forward_regs_kernel(cell, fsh.nr, fsh.nm), fa, blocks, nc, GridFwdRegsSmem(g, fsh).total, true);
       report(0, 7, T, gfr);
     }
+    const GridTf32FwdShape ftsh(G, H, hs);
+    if (regs_pairs && ftsh.ks > 0) {
+      printf(" TF32 on the tensor cores (%d m-tiles x %d k-steps per warp):\n", ftsh.mt, ftsh.ks);
+      cudaMemset(arrivals, 0, groups * 4);
+      static const char* gft[] = {"stage", "mma", "sync", "cell", "arrive", "stores+prefetch", "wait"};
+      launch(grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks), fa, blocks, nc, GridTf32FwdSmem(g, ftsh).total, true);
+      report(0, 7, T, gft);
+    }
     float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
     float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);
     float* bx;
@@ -144,10 +155,20 @@ int main(int argc, char** argv) {
     if (regs_pairs && sh.nr > 0) {
       printf(" W_hh^T in registers (%d rows per thread, %d row groups):\n", sh.nr, sh.ng);
       float* rx;
-      cudaMalloc(&rx, grid_regs_exchange(g, groups, sh) * 4);
+      cudaMalloc(&rx, grid_owned_exchange(g, groups, nc * sh.ng) * 4);
       cudaMemset(arrivals, 0, groups * 4);
       ba.xchg = rx;
-      launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, GridRegsSmem(g, sh).total, true);
+      launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, grid_regs_smem(g, sh).total, true);
+      report(1, 6, T, gb);
+    }
+    const GridTf32BwdShape btsh(G, H, hs);
+    if (regs_pairs && btsh.ks > 0) {
+      printf(" TF32 on the tensor cores (%d m-tiles x %d k-steps per warp):\n", btsh.mt, btsh.ks);
+      float* tx;
+      cudaMalloc(&tx, grid_owned_exchange(g, groups, nc) * 4);
+      cudaMemset(arrivals, 0, groups * 4);
+      ba.xchg = tx;
+      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks), ba, blocks, nc, grid_tf32_bwd_smem(g, btsh).total, true);
       report(1, 6, T, gb);
     }
     return 0;

@@ -21,7 +21,8 @@ namespace {
 
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// W_hh as the products read it: bf16 mode rounds every weight once, as the GPU kernels hold them.
+// W_hh as the products read it: bf16 mode rounds every weight once, as the GPU kernels hold them (tf32
+// mode computes in fp32 here).
 std::vector<float> recurrent_weights(const at::Tensor& w_hh, Weights weights) {
   const float* w = w_hh.const_data_ptr<float>();
   std::vector<float> out(w, w + w_hh.numel());

@@ -42,6 +42,9 @@ struct LayerPlan {
   bool fused_forward = false, fused_backward = false, scatter_backward = false;
   int64_t smem_forward = 0, smem_backward = 0;
   int regs_rows = 0, regs_chunks = 0;  // grid, fused_forward: rows and float4 chunks of W_hh per thread
+  // Grid, weights tf32: the direction's products on the tensor cores (rnn_grid_tf32_kernels.cuh; then
+  // fused_* is set too: W_hh is in registers).
+  bool tf32_forward = false, tf32_backward = false;
   std::string describe() const;
 };
 

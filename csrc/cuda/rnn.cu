@@ -24,7 +24,7 @@
 #include <tuple>
 
 #include "entry.h"
-#include "rnn_grid_kernels.cuh"
+#include "rnn_grid_tf32_kernels.cuh"
 
 namespace vlseq::rnn {
 namespace {
@@ -116,7 +116,7 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
 // fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
 // whichever bounds (with W_hh in registers, `fregs` / `regs`: the FMAs of the rows held, padding
-// included, on the threads that hold them); L2 at ~2.9 KB a clock for the whole GPU (forward: every
+// included, on the threads that hold them; the TF32 kernels, `ftf32` / `btf32`: their MMAs); L2 at ~2.9 KB a clock for the whole GPU (forward: every
 // block reads every sample's h, under the products; backward: the partials written under the products,
 // read after the barrier); ~2,500 a direction for the cell and the barrier. The steps measure 2-2.5x
 // this (the shared-memory tiles' products run at ~45% of the FMA rate, the register kernels issue about
@@ -124,15 +124,20 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
 // over one of 128.
 double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
-                   const GridRegsShape* regs) {
+                   const GridRegsShape* regs, const GridTf32FwdShape* ftf32, const GridTf32BwdShape* btf32) {
   const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);
   const double fma = R8 * Kp * bsp / 128.0;
   const double smem = (R8 / kGridRows) * (bsp / bt) * (Kp / 4.0) * (kGridRows * 4.0 * wbytes + bt * 16.0) / 128.0;
   const double l2 = static_cast<double>(groups) * nc * bs * Kp * 4.0 / 2900.0;
   const double products = std::max(fma, smem);
-  const double forward = fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0 : products;
-  const double backward =
-      regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng) : products;
+  // The TF32 kernels: a warp's MMAs, two warps to a scheduler, ~4 clocks each.
+  const double tiles = ceil_div(bs, 8);
+  const double forward = ftf32   ? 8.0 * ftf32->mt * ftf32->ks * tiles
+                         : fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0
+                                 : products;
+  const double backward = btf32 ? 8.0 * btf32->mt * btf32->ks * tiles
+                          : regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
+                                 : products;
   return std::max(forward, l2) + 2500.0 + backward + l2 + 2500.0;
 }
 
@@ -142,8 +147,9 @@ struct Cost {
 };
 
 // The plan for nc blocks per group (cluster or local) with the fewest estimated clocks, if any.
-bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
+bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
                   Cost& best) {
+  const Weights w = stored_weights(precision);  // no tensor-core kernels here: tf32 runs as fp32
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
   const int hs = ceil_div(H, nc);
   if (ceil_div(H, hs) != nc) return false;  // a block would hold no unit
@@ -200,7 +206,8 @@ bool cluster_plan(Cell cell, Weights w, int H, int B, int nc, int sms, const cud
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
-bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
+bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
+  const Weights w = stored_weights(precision);
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   bool found = false;
@@ -219,27 +226,39 @@ bool grid_plan(Cell cell, Weights w, int H, int B, int sms, const cudaDeviceProp
       if (fwd > optin) g.chunk = 0;
     }
     if (g.chunk == 0) continue;
-    // Each direction with W_hh in registers where the block's rows fit them (fp32).
-    const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32);
-    const GridFwdRegsShape fsh = few_pairs ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
+    // Each direction with W_hh in registers where the block's rows fit them (fp32): in tf32 on the
+    // tensor cores where a kernel has the shape, else with FMAs.
+    const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32), tf32 = precision == Weights::kTF32;
+    const GridTf32FwdShape ftsh(G, H, hs);
+    const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
+    const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
     const bool fregs = fsh.nr > 0;
+    if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
     if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
+    const GridTf32BwdShape btsh(G, H, hs);
+    const bool btf32 = tf32 && few_pairs && btsh.ks > 0 && grid_tf32_bwd_smem(g, btsh).total <= optin;
     const GridRegsShape sh(G, H, hs);
-    const bool regs = few_pairs && sh.nr > 0;
-    const int64_t bwd = regs ? GridRegsSmem(g, sh).total : GridBackwardSmem(g, G, wbytes, bt).total;
+    const bool regs = few_pairs && !btf32 && sh.nr > 0;
+    const int64_t bwd = btf32  ? grid_tf32_bwd_smem(g, btsh).total
+                        : regs ? grid_regs_smem(g, sh).total
+                               : GridBackwardSmem(g, G, wbytes, bt).total;
     if (bwd > optin) continue;
-    const void* fk = fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm) : grid_forward_kernel(cell, w, bt);
-    const void* bk = regs ? grid_backward_regs_kernel(cell, sh.nr) : grid_backward_kernel(cell, w, bt);
+    const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
+                     : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
+                             : grid_forward_kernel(cell, w, bt);
+    const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks)
+                     : regs ? grid_backward_regs_kernel(cell, sh.nr)
+                            : grid_backward_kernel(cell, w, bt);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
-    const double clocks =
-        grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr);
+    const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
+                                      ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
-      best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs, regs,
-                            false, fwd, bwd, fsh.nr, fsh.nm};
+      best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
+                            regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
       found = true;
     }
   }
@@ -253,6 +272,12 @@ Geometry geometry(const LayerPlan& plan, const Sizes& z, bool reverse) {
 
 GridRegsShape regs_shape(const LayerPlan& plan, const Sizes& z) {
   return GridRegsShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+}
+GridTf32FwdShape tf32_forward_shape(const LayerPlan& plan, const Sizes& z) {
+  return GridTf32FwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+}
+GridTf32BwdShape tf32_backward_shape(const LayerPlan& plan, const Sizes& z) {
+  return GridTf32BwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
 }
 
 template <typename Args>
@@ -300,6 +325,10 @@ std::string LayerPlan::describe() const {
               ? std::string(", W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && fused_backward ? " and " : "") + (fused_backward ? "backward" : "") + ")"
               : "") +
+         (tf32_forward || tf32_backward
+              ? std::string(", TF32 products on the tensor cores (") + (tf32_forward ? "forward" : "") +
+                    (tf32_forward && tf32_backward ? " and " : "") + (tf32_backward ? "backward" : "") + ")"
+              : "") +
          (sync != 2 && (fused_forward || fused_backward || scatter_backward)
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
@@ -343,7 +372,7 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     if (!best.plan.ok) grid_plan(cell, weights, H, B, sms, p, device, best);
     plan = best.plan;
     if (!plan.ok) {
-      const int64_t bytes = num_gates(cell) * hidden * hidden * (weights == Weights::kFP32 ? 4 : 2);
+      const int64_t bytes = num_gates(cell) * hidden * hidden * (weights == Weights::kBF16 ? 2 : 4);
       plan.why_not = "W_hh (" + std::to_string(bytes >> 20) + " MiB) does not fit in the shared memory of " +
                      std::to_string(sms) + " blocks";
     }
@@ -388,9 +417,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 lstm ? cs.data_ptr<float>() : nullptr,
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
-         : grid                     ? grid_forward_kernel(z.cell, z.weights, plan.bt)
-                                    : forward_kernel(z.cell, z.weights, plan.bt, plan.fused_forward),
+  const Weights stored = stored_weights(z.weights);
+  launch(plan.tf32_forward ? grid_forward_tf32_kernel(z.cell, tf32_forward_shape(plan, z).mt, tf32_forward_shape(plan, z).ks)
+         : grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
+         : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
+                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward),
          a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
@@ -412,8 +443,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   at::Tensor xchg, arrivals;
   if (grid) {
-    xchg = at::empty({plan.fused_backward ? grid_regs_exchange(geometry(plan, z, reverse), plan.groups, regs_shape(plan, z))
-                                          : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
+    // Owner-major partials (the register and TF32 backwards): nc * ng sources, ng = 1 for TF32.
+    const Geometry g = geometry(plan, z, reverse);
+    xchg = at::empty({plan.tf32_backward    ? grid_owned_exchange(g, plan.groups, plan.nc)
+                      : plan.fused_backward ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
+                                            : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
                      opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
@@ -436,10 +470,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  lstm ? dc0.data_ptr<float>() : nullptr,
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
-  launch(grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
-         : grid                       ? grid_backward_kernel(z.cell, z.weights, plan.bt)
-         : plan.scatter_backward      ? backward_scatter_kernel(z.cell, plan.bt)
-                                      : backward_kernel(z.cell, z.weights, plan.bt, plan.fused_backward),
+  const Weights stored = stored_weights(z.weights);
+  launch(plan.tf32_backward ? grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).mt, tf32_backward_shape(plan, z).ks)
+         : grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
+         : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
+         : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
+                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward),
          a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};

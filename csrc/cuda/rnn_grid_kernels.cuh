@@ -109,6 +109,13 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// x as the TF32 tensor-core products read it, rounded to nearest (the MMA itself would drop the low 13
+// bits: truncation, a bias every step of the recurrence would repeat).
+__device__ __forceinline__ float round_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
 
 // The ks consecutive lanes (a power of 2) that split the sums v[0..N) combine them: at each level (lane
 // offset 1, 2, 4, ...) a lane keeps one half of its values (the upper if its offset bit is set) and
@@ -178,8 +185,9 @@ __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
 // products(s, in) computes the recurrent products of the samples running at s from h_{t-1} at `in`
 // (every sample's row of Kp floats) and ends with a __syncthreads; gh_of(b, k, j) reads back gate k
 // of unit j of sample b; the cell's h goes to the exchange at once; then the barrier, with the
-// step's output stores and the next step's input loads between its arrive and its wait.
-template <Cell C, int I, typename Products, typename GhOf>
+// step's output stores and the next step's input loads between its arrive and its wait. TF32: the
+// exchange carries h rounded to TF32 (only the products read it; the state stays fp32).
+template <Cell C, int I, bool TF32 = false, typename Products, typename GhOf>
 __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const Block& blk, const int* lens,
                                                    GroupBarrier& bar, Products&& products, GhOf&& gh_of) {
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -200,7 +208,7 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
     if constexpr (C == Cell::kLSTM) c[i] = a.c0[at];
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
-    __stcg(xchg(0) + static_cast<int64_t>(it.b[i]) * Kp + j0 + it.j[i], h[i]);
+    __stcg(xchg(0) + static_cast<int64_t>(it.b[i]) * Kp + j0 + it.j[i], TF32 ? round_tf32(h[i]) : h[i]);
   }
   const int smax = finish_setup(bar, lens, g.bs);
   float xnext[I][G];
@@ -224,7 +232,7 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
 #pragma unroll
       for (int k = 0; k < G; ++k) gh[k] = gh_of(b, k, j) + bias[i][k];
       forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
-      __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, h[i]);
+      __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, TF32 ? round_tf32(h[i]) : h[i]);
     }
     VLSEQ_MARK(0, 4, s);
     bar.arrive();
@@ -498,8 +506,9 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
 // step s (from the last): gather(parity, s + 1) sums the partials of step s + 1 (its sums read back by
 // sum_of(b, j)); the cells write the gate gradients to dg_s[b * ldg + k * hs + j]; products(parity, s)
 // writes this block's partial dh_{t-1} of the samples running at s; then the barrier, with the gate
-// gradients' stores and the next step's loads between its arrive and its wait.
-template <Cell C, int I, typename Gather, typename SumOf, typename Products>
+// gradients' stores and the next step's loads between its arrive and its wait. TF32: dg_s holds the
+// gate gradients rounded to TF32 (only the products read it).
+template <Cell C, int I, bool TF32 = false, typename Gather, typename SumOf, typename Products>
 __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const Block& blk, const int* lens,
                                                     float* dg_s, int ldg, GroupBarrier& bar, int smax, Gather&& gather,
                                                     SumOf&& sum_of, Products&& products) {
@@ -553,7 +562,7 @@ __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const
       live[i] = true;
       backward_cell<C, F>(p[i], dh[i], dc[i], ddir[i], rg[i], dn[i]);
 #pragma unroll
-      for (int k = 0; k < G; ++k) dgb[k * hs] = rg[i][k];
+      for (int k = 0; k < G; ++k) dgb[k * hs] = TF32 ? round_tf32(rg[i][k]) : rg[i][k];
     }
     __syncthreads();
     VLSEQ_MARK(1, 2, s);
@@ -713,29 +722,85 @@ struct GridRegsShape {
     if (nr > 32 || hs % 4 != 0 || nu4 > 32 || (nu4 & (nu4 - 1)) != 0) nr = 0;
   }
 };
-// Samples whose partials the gather stages in shared memory at once: all of them where 160 KiB hold
-// them, else a multiple of 8 (each warp then reuses only its own slots).
-__host__ __device__ inline int grid_gather_samples(const Geometry& g, const GridRegsShape& sh) {
-  const int per = g.nc * sh.ng * g.hs * 4, fit = 160 * 1024 / per;
+// Samples whose partials the gather (gather_owned_partials) stages in shared memory at once, nsrc
+// sources of hs units each: all of them where 160 KiB hold them, else a multiple of 8 (each warp then
+// reuses only its own slots).
+__host__ __device__ inline int grid_gather_samples(const Geometry& g, int nsrc) {
+  const int per = nsrc * g.hs * 4, fit = 160 * 1024 / per;
   return g.bs <= fit ? g.bs : (fit / 8 > 1 ? fit / 8 : 1) * 8;
 }
-// Its shared memory: the step's gate gradients (bs x ng * nr rows, zero past R), the sums of the
-// gathered partials (bs x hs), the staged partials, the lengths.
-struct GridRegsSmem {
+// The shared memory of the backwards that send partials to their owners (this one and the TF32 one,
+// rnn_grid_tf32_kernels.cuh): the step's gate gradients (rows x ldg, rows >= bs, zero past R), the sums
+// of the gathered partials (bs x hs), the staged partials of nsrc sources, the lengths.
+struct GridOwnedSmem {
   int dg, red, stage, lens, total;
-  __host__ __device__ GridRegsSmem(const Geometry& g, const GridRegsShape& sh) {
+  __host__ __device__ GridOwnedSmem(const Geometry& g, int rows, int ldg, int nsrc) {
     int off = 0;
-    dg = off, off += round_up(g.bs * sh.ng * sh.nr * 4, 16);
+    dg = off, off += round_up(rows * ldg * 4, 16);
     red = off, off += round_up(g.bs * g.hs * 4, 16);
-    stage = off, off += grid_gather_samples(g, sh) * g.nc * sh.ng * g.hs * 4;
+    stage = off, off += grid_gather_samples(g, nsrc) * nsrc * g.hs * 4;
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
 };
-// Floats of its exchange buffer: two parities of every group's nc owners x bs samples x nc * ng sources x hs.
-inline int64_t grid_regs_exchange(const Geometry& g, int groups, const GridRegsShape& sh) {
-  return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * g.nc * sh.ng * g.hs;
+__host__ __device__ inline GridOwnedSmem grid_regs_smem(const Geometry& g, const GridRegsShape& sh) {
+  return GridOwnedSmem(g, g.bs, sh.ng * sh.nr, g.nc * sh.ng);
 }
+// Floats of their exchange buffer: two parities of every group's nc owners x bs samples x nsrc sources x hs.
+inline int64_t grid_owned_exchange(const Geometry& g, int groups, int nsrc) {
+  return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * nsrc * g.hs;
+}
+#if defined(__CUDACC__)
+// The partials owned by block q at a step of parity `parity` (an owner's region): sample b, source src
+// at [(b * nsrc + src) * hs].
+__device__ __forceinline__ float* owned_region(const BackwardArgs& a, const Block& blk, int parity, int q, int nsrc) {
+  const Geometry& g = a.g;
+  return a.xchg + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * g.nc + q) * g.bs * nsrc * g.hs;
+}
+// Sums the partials of this block's units from its region: a warp per sample running at s_next stages
+// the sample's contiguous partials in shared memory with cp.async, its lanes add every 32nd float4 (lane
+// l always unit quad l % nu4), then a butterfly over the lanes of a quad; sample b's sums to red_s[b *
+// nu4 ..]. Slots are reused by the warp that filled them (grid_gather_samples: all the samples or a
+// multiple of 8), so no block-wide barrier until the sums' own. hs / 4 must be a power of 2. (Register
+// loads, 8 in flight a lane, measured the same: 6,700 / 7,800 clocks a step against 7,300 / 7,400 at
+// LSTM / GRU 1024 x 32, BENCHMARKS.md, twelfth session.) The same order every run: the same bits.
+__device__ __forceinline__ void gather_owned_partials(const float* region, const int* lens, int s_next, int bv,
+                                                      int nsrc, const Geometry& g, float4* stage_s, float4* red_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nu4 = g.hs / 4, n4 = nsrc * nu4;
+  const int gs = grid_gather_samples(g, nsrc);
+  const float4* base = reinterpret_cast<const float4*>(region);
+  for (int c0 = 0; c0 < bv; c0 += gs) {
+    const int c1 = min(bv, c0 + gs);
+    __syncwarp();  // this warp's lanes are done with its slots of the last chunk
+    for (int b = c0 + warp; b < c1; b += kWarps) {
+      if (s_next >= lens[b]) continue;
+      const float4* src = base + static_cast<int64_t>(b) * n4;
+      float4* dst = stage_s + (b - c0) * n4;
+      for (int e = lane; e < n4; e += 32) cp_async16(dst + e, src + e);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();  // every lane's copies, to the whole warp
+    for (int b = c0 + warp; b < c1; b += kWarps) {
+      if (s_next >= lens[b]) continue;
+      const float4* src = stage_s + (b - c0) * n4;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int e = lane; e < n4; e += 32) {
+        const float4 v = src[e];
+        acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+      }
+      for (int off = nu4; off < 32; off *= 2) {
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+      }
+      if (lane < nu4) red_s[b * nu4 + lane] = acc;
+    }
+  }
+  __syncthreads();
+}
+#endif
 // The kernel for a cell and rows per thread (8, 16, 24 or 32): rnn_grid_backward_regs.cu.
 const void* grid_backward_regs_kernel(Cell c, int nr);
 
@@ -746,19 +811,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
   const Geometry& g = a.g;
   const int H = g.H, hs = g.hs, R = G * hs;
   const GridRegsShape sh(G, H, hs);
-  const int ldg = sh.ng * NR, nu4 = hs / 4, nsrc = g.nc * sh.ng;
+  const int ldg = sh.ng * NR, nsrc = g.nc * sh.ng;
   const Block blk(g);
-  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int bv = blk.bv, tid = threadIdx.x;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridRegsSmem lay(g, sh);
+  const GridOwnedSmem lay = grid_regs_smem(g, sh);
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
   float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
+  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  // The partials owned by block q at a step of parity `parity`: sample b, source src at [(b * nsrc + src) * hs].
-  auto region = [&](int parity, int q) {
-    return a.xchg + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * g.nc + q) * g.bs * nsrc * hs;
-  };
+  auto region = [&](int parity, int q) { return owned_region(a, blk, parity, q, nsrc); };
 
   const int quad = tid % sh.nq, grp = tid / sh.nq;
   const bool holder = grp < sh.ng;
@@ -778,47 +841,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  // A warp per sample running at s_next: it stages the sample's contiguous partials in shared memory
-  // with cp.async, its lanes add every 32nd float4 (lane l always unit quad l % nu4), then a butterfly
-  // over the lanes of a quad. Slots are reused by the warp that filled them (gs is all the samples or a
-  // multiple of 8), so no block-wide barrier until the sums' own. (Register loads, 8 in flight a lane,
-  // measured the same: 6,700 / 7,800 clocks a step against 7,300 / 7,400 at LSTM / GRU 1024 x 32,
-  // BENCHMARKS.md, twelfth session; this is the version the suite and the bench ran.)
-  const int gs = grid_gather_samples(g, sh);
-  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
   auto gather = [&](int parity, int s_next) {
-    const float4* base = reinterpret_cast<const float4*>(region(parity, blk.rank));
-    const int n4 = nsrc * nu4;
-    for (int c0 = 0; c0 < bv; c0 += gs) {
-      const int c1 = min(bv, c0 + gs);
-      __syncwarp();  // this warp's lanes are done with its slots of the last chunk
-      for (int b = c0 + warp; b < c1; b += kWarps) {
-        if (s_next >= lens[b]) continue;
-        const float4* src = base + static_cast<int64_t>(b) * n4;
-        float4* dst = stage_s + (b - c0) * n4;
-        for (int e = lane; e < n4; e += 32) cp_async16(dst + e, src + e);
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncwarp();  // every lane's copies, to the whole warp
-      for (int b = c0 + warp; b < c1; b += kWarps) {
-        if (s_next >= lens[b]) continue;
-        const float4* src = stage_s + (b - c0) * n4;
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int e = lane; e < n4; e += 32) {
-          const float4 v = src[e];
-          acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-        }
-        for (int off = nu4; off < 32; off *= 2) {
-          acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
-          acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
-          acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
-          acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
-        }
-        if (lane < nu4) red_s[b * nu4 + lane] = acc;
-      }
-    }
-    __syncthreads();
+    gather_owned_partials(region(parity, blk.rank), lens, s_next, bv, nsrc, g, stage_s, red_s);
   };
   auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * hs + j]; };
   // This thread's 4 units' partials of the samples running at s, two samples at a time.

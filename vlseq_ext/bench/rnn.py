@@ -155,7 +155,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
 
 def _measure(p: Point, method: str, dev: torch.device, budget: Budget, res: Results) -> None:
     if method == "vlseq":
-        weights = "bf16" if p.precision == "bf16" else "fp32"
+        weights = p.precision  # fp32, tf32 or bf16: what the module runs (functional.precision_for)
         plan = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev)
         if not plan:
             raise Skip(f"{p.cell} hidden {p.hidden} does not fit the kernels")

@@ -7,8 +7,10 @@ batch with per-sample lengths. Each sample's result is that of the sample alone:
 length never run, its outputs there are zero and its gradients there are zero.
 
 Precision: "fp32" keeps everything in float32 (the GEMMs follow torch.backends.cuda.matmul.allow_tf32,
-off by default); "bf16" (chosen under bf16 autocast) runs the GEMMs in bfloat16 and holds W_hh in
-bfloat16 on chip, with float32 state and accumulation.
+off by default); "tf32" (chosen where cuDNN would run TF32: torch.backends.cudnn.allow_tf32, on by
+default) is "fp32" with the recurrent products of the grid layout (hidden ~440 and up) on the tensor
+cores in TF32, as cuDNN's RNNs run under that flag; "bf16" (chosen under bf16 autocast) runs the GEMMs
+in bfloat16 and holds W_hh in bfloat16 on chip. State and accumulation are float32 in every mode.
 """
 from __future__ import annotations
 
@@ -26,14 +28,18 @@ __all__ = ["rnn", "precision_for", "weights_of"]
 
 
 def precision_for(x: Tensor) -> str:
-    """"bf16" under CUDA bf16 autocast, else "fp32"."""
+    """"bf16" under CUDA bf16 autocast, "tf32" on CUDA where torch.backends.cudnn.allow_tf32 is on (cuDNN's
+    RNNs would then run TF32), else "fp32"."""
     if x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
         return "bf16"
+    if x.is_cuda and torch.backends.cudnn.allow_tf32:
+        return "tf32"
     return "fp32"
 
 
 def _gemm(a: Tensor, b: Tensor, precision: str) -> Tensor:
-    """a @ b in float32, or in bfloat16 (then widened) for the bf16 mode."""
+    """a @ b in float32 (TF32 as torch.backends.cuda.matmul.allow_tf32 says), or in bfloat16 (then widened)
+    for the bf16 mode."""
     if precision == "bf16":
         return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
     return a @ b
@@ -75,7 +81,7 @@ def _recurrence(cell: str, precision: str, reverse: bool, max_blocks: int, x: Te
     """One layer and direction over x (B, T, D): the input projection of every step (one GEMM), then
     the recurrence (ops.rnn_forward): (y, h_n, c_n, saved, cs)."""
     B, T, D = x.shape
-    if b_ih is not None and precision == "fp32":  # the bias in the GEMM's epilogue, not another pass
+    if b_ih is not None and precision != "bf16":  # the bias in the GEMM's epilogue, not another pass
         xproj = torch.addmm(b_ih, x.reshape(B * T, D), w_ih.t())
     else:
         xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
