@@ -43,8 +43,8 @@ float* upload(size_t n, float scale) {
 }
 
 template <typename A>
-void launch(const void* kernel, const A& args, int blocks, int nc, int smem, bool grid = false, int cluster = 0) {
-  ProbeLaunch l(kernel, blocks, kThreads, smem, grid, cluster ? cluster : grid ? 1 : nc);
+void launch(const void* kernel, const A& args, int blocks, int nc, int smem, bool grid = false) {
+  ProbeLaunch l(kernel, blocks, kThreads, smem, grid, grid ? 1 : nc);
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
   cudaEventRecord(a);
@@ -168,18 +168,8 @@ int main(int argc, char** argv) {
       cudaMalloc(&tx, grid_owned_exchange(g, groups, nc) * 4);
       cudaMemset(arrivals, 0, groups * 4);
       ba.xchg = tx;
-      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks), ba, blocks, nc, grid_tf32_bwd_smem(g, btsh, false).total, true);
+      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks), ba, blocks, nc, grid_tf32_bwd_smem(g, btsh).total, true);
       report(1, 6, T, gb);
-      if (nc % 2 == 0) {
-        printf(" the same in clusters of 2 (partials summed in pairs):\n");
-        cudaMemset(arrivals, 0, groups * 4);
-        float* px;  // nc / 2 sources
-        cudaMalloc(&px, grid_owned_exchange(g, groups, nc / 2) * 4);
-        ba.xchg = px;
-        launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks), ba, blocks, nc, grid_tf32_bwd_smem(g, btsh, true).total,
-               true, 2);
-        report(1, 6, T, gb);
-      }
     }
     return 0;
   }

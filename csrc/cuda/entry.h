@@ -45,7 +45,6 @@ struct LayerPlan {
   // Grid, weights tf32: the direction's products on the tensor cores (rnn_grid_tf32_kernels.cuh; then
   // fused_* is set too: W_hh is in registers).
   bool tf32_forward = false, tf32_backward = false;
-  bool pair_backward = false;  // tf32_backward launched in clusters of 2 (rnn_grid_tf32_kernels.cuh)
   std::string describe() const;
 };
 

@@ -236,9 +236,13 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
     if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
     if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
     const GridTf32BwdShape btsh(G, H, hs);
-    const bool btf32 = tf32 && few_pairs && btsh.ks > 0 && grid_tf32_bwd_smem(g, btsh, false).total <= optin;
+    const bool btf32 = tf32 && few_pairs && btsh.ks > 0 && grid_tf32_bwd_smem(g, btsh).total <= optin;
     const GridRegsShape sh(G, H, hs);
     const bool regs = few_pairs && !btf32 && sh.nr > 0;
+    const int64_t bwd = btf32  ? grid_tf32_bwd_smem(g, btsh).total
+                        : regs ? grid_regs_smem(g, sh).total
+                               : GridBackwardSmem(g, G, wbytes, bt).total;
+    if (bwd > optin) continue;
     const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
                      : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
                              : grid_forward_kernel(cell, w, bt);
@@ -247,14 +251,6 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
                             : grid_backward_kernel(cell, w, bt);
     prepare(fk, device, p.sharedMemPerBlockOptin);
     prepare(bk, device, p.sharedMemPerBlockOptin);
-    // The TF32 backward's blocks in clusters of 2 that sum their partials before sending them, where
-    // every pair fits at once.
-    const int64_t paired = btf32 && nc % 2 == 0 ? grid_tf32_bwd_smem(g, btsh, true).total : optin + 1;
-    const bool pair = paired <= optin && resident_groups(bk, Sync::kCluster, 2, paired, p) * 2 >= groups * nc;
-    const int64_t bwd = btf32  ? grid_tf32_bwd_smem(g, btsh, pair).total
-                        : regs ? grid_regs_smem(g, sh).total
-                               : GridBackwardSmem(g, G, wbytes, bt).total;
-    if (bwd > optin) continue;
     const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
     if (resident < groups) continue;
     const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
@@ -262,7 +258,7 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
     if (!best.plan.ok || clocks < best.clocks) {
       best.clocks = clocks;
       best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
-                            regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32, pair};
+                            regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
       found = true;
     }
   }
@@ -284,28 +280,23 @@ GridTf32BwdShape tf32_backward_shape(const LayerPlan& plan, const Sizes& z) {
   return GridTf32BwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
 }
 
-// pairs: a grid layout launched in clusters of 2 too (the TF32 backward's pairs; the kernel reads its
-// cluster's size).
 template <typename Args>
-void launch(const void* kernel, const Args& args, const LayerPlan& plan, int64_t smem, cudaStream_t stream,
-            bool pairs = false) {
+void launch(const void* kernel, const Args& args, const LayerPlan& plan, int64_t smem, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.groups * plan.nc);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attrs[2] = {};
-  unsigned n = 0;
-  if (plan.sync == static_cast<int>(Sync::kCluster) || pairs) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n++].val.clusterDim = {static_cast<unsigned>(pairs ? 2 : plan.nc), 1, 1};
+  cudaLaunchAttribute attr = {};
+  if (plan.sync == static_cast<int>(Sync::kCluster)) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = plan.nc, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  } else {
+    attr.id = cudaLaunchAttributeCooperative;  // kGrid: every block resident at once (its barrier needs it)
+    attr.val.cooperative = 1;
   }
-  if (plan.sync == static_cast<int>(Sync::kGrid)) {
-    attrs[n].id = cudaLaunchAttributeCooperative;  // kGrid: every block resident at once (its barrier needs it)
-    attrs[n++].val.cooperative = 1;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
+  cfg.attrs = &attr;
+  cfg.numAttrs = plan.sync == static_cast<int>(Sync::kLocal) ? 0 : 1;
   void* params[] = {const_cast<Args*>(&args)};
   C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kernel, params));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -338,7 +329,6 @@ std::string LayerPlan::describe() const {
               ? std::string(", TF32 products on the tensor cores (") + (tf32_forward ? "forward" : "") +
                     (tf32_forward && tf32_backward ? " and " : "") + (tf32_backward ? "backward" : "") + ")"
               : "") +
-         (pair_backward ? ", the backward's partials summed in clusters of 2" : "") +
          (sync != 2 && (fused_forward || fused_backward || scatter_backward)
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
@@ -453,9 +443,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   at::Tensor xchg, arrivals;
   if (grid) {
-    // Owner-major partials (the register and TF32 backwards): nc * ng sources; TF32: nc, or nc / 2 in pairs.
+    // Owner-major partials (the register and TF32 backwards): nc * ng sources, ng = 1 for TF32.
     const Geometry g = geometry(plan, z, reverse);
-    xchg = at::empty({plan.tf32_backward    ? grid_owned_exchange(g, plan.groups, plan.pair_backward ? plan.nc / 2 : plan.nc)
+    xchg = at::empty({plan.tf32_backward    ? grid_owned_exchange(g, plan.groups, plan.nc)
                       : plan.fused_backward ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
                                             : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
                      opts);
@@ -486,7 +476,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
          : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
          : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
                                        : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward),
-         a, plan, plan.smem_backward, c10::cuda::getCurrentCUDAStream(y.get_device()).stream(), plan.pair_backward);
+         a, plan, plan.smem_backward,
+         c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }
 

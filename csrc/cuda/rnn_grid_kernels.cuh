@@ -109,34 +109,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Bulk copies (cp.async.bulk, the TMA's 1-D form) completing on an mbarrier: one instruction per
-// contiguous run where cp.async takes one per 16 bytes, and ~55 bytes a clock into an SM against ~42
-// (BENCHMARKS.md, twelfth session). They read through L2, as cp.async.cg does. The async proxy writes
-// shared memory and reads global memory: fence_proxy_async orders the issuing thread's view of both
-// (the exchange's data, acquired through the grid barrier; the slots' last generic reads) before it.
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
-// The phase's one arrival, and the bytes its copies will deliver (0: the phase completes now).
-__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(smem_u32(bar)), "r"(parity)
-                 : "memory");
-}
 // x as the TF32 tensor-core products read it, rounded to nearest (the MMA itself would drop the low 13
 // bits: truncation, a bias every step of the recurrence would repeat).
 __device__ __forceinline__ float round_tf32(float x) {
@@ -199,14 +171,6 @@ __device__ __forceinline__ void store_lane_totals(float (&v)[N], int ks, bool bu
 __device__ __forceinline__ int next_running(const int* lens, int s, int b, int bv) {
   while (b < bv && s >= lens[b]) ++b;
   return b;
-}
-
-// Row `row` (gate-major: gate row / hs, unit row % hs) of the block's rows of W_hh; nullptr for the
-// padding past them.
-__device__ __forceinline__ const float* block_weight_row(const float* w_hh, const Geometry& g, const Block& blk, int G,
-                                                         int row) {
-  const int k = row / g.hs, j = row - k * g.hs;
-  return row < G * g.hs && j < blk.hv ? w_hh + static_cast<int64_t>(k * g.H + blk.j0 + j) * g.H : nullptr;
 }
 
 // The longest length of samples [b, b + n) of the block's lengths (0 past the group's bs).
@@ -418,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(cons
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int SP = NR >= 8 ? (32 / NR > 0 ? 32 / NR : 1) : 4;  // samples per pass: SP * NR sums, at most 32
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, Kp = round_up(H, 4);
+  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4);
   const GridFwdRegsShape sh(G, H, hs, NR, NM);
   const int kq = sh.kq, nwg = sh.nwg, ldp = sh.ng * NR;  // part_s: [wg][b][ldp]
   const Block blk(g);
@@ -434,13 +398,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(cons
   float4 w[NR][NM];  // rows grp * NR + i, columns 4 * (lane + 32 * (wg + nwg * m)) ..
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
-    const float* src = block_weight_row(a.w_hh, g, blk, G, grp * NR + i);
+    const int row = grp * NR + i, k = row / hs, j = row - k * hs;
+    const bool real = row < R && j < blk.hv;
+    const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       const int c0 = 4 * (lane + 32 * (wg + nwg * m));
       float v[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = src && c0 + e < H ? src[c0 + e] : 0.0f;
+      for (int e = 0; e < 4; ++e) v[e] = real && c0 + e < H ? src[c0 + e] : 0.0f;
       w[i][m] = make_float4(v[0], v[1], v[2], v[3]);
     }
   }
@@ -756,7 +722,7 @@ struct GridRegsShape {
     if (nr > 32 || hs % 4 != 0 || nu4 > 32 || (nu4 & (nu4 - 1)) != 0) nr = 0;
   }
 };
-// Samples whose partials the gather (OwnedPartials) stages in shared memory at once, nsrc
+// Samples whose partials the gather (gather_owned_partials) stages in shared memory at once, nsrc
 // sources of hs units each: all of them where 160 KiB hold them, else a multiple of 8 (each warp then
 // reuses only its own slots).
 __host__ __device__ inline int grid_gather_samples(const Geometry& g, int nsrc) {
@@ -765,18 +731,14 @@ __host__ __device__ inline int grid_gather_samples(const Geometry& g, int nsrc) 
 }
 // The shared memory of the backwards that send partials to their owners (this one and the TF32 one,
 // rnn_grid_tf32_kernels.cuh): the step's gate gradients (rows x ldg, rows >= bs, zero past R), the sums
-// of the gathered partials (bs x hs), the staged partials of nsrc sources, the gather's mbarrier, the
-// TF32 backward's receipt of its cluster partner's partials (recv_floats, their mailbox), the lengths.
+// of the gathered partials (bs x hs), the staged partials of nsrc sources, the lengths.
 struct GridOwnedSmem {
-  int dg, red, stage, bar, mbox, recv, lens, total;
-  __host__ __device__ GridOwnedSmem(const Geometry& g, int rows, int ldg, int nsrc, int recv_floats = 0) {
+  int dg, red, stage, lens, total;
+  __host__ __device__ GridOwnedSmem(const Geometry& g, int rows, int ldg, int nsrc) {
     int off = 0;
     dg = off, off += round_up(rows * ldg * 4, 16);
     red = off, off += round_up(g.bs * g.hs * 4, 16);
     stage = off, off += grid_gather_samples(g, nsrc) * nsrc * g.hs * 4;
-    bar = off, off += 16;   // the gather's mbarrier
-    mbox = off, off += 16;  // the TF32 backward's pairs: the partner's partials (a Mailbox) ..
-    recv = off, off += round_up(recv_floats * 4, 16);
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -795,75 +757,49 @@ __device__ __forceinline__ float* owned_region(const BackwardArgs& a, const Bloc
   const Geometry& g = a.g;
   return a.xchg + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * g.nc + q) * g.bs * nsrc * g.hs;
 }
-
-// The sums of this block's units' partials (the register and TF32 backwards; shared memory as
-// GridOwnedSmem). gather: warp 0 stages each sample running at s_next, its partials one contiguous run,
-// with one bulk copy (an mbarrier for them all, `phase` its parity, flipped per use); then a warp per
-// sample adds every 32nd float4 of it (lane l always unit quad l % nu4) and a butterfly over the lanes
-// of a quad combines them. Where the slots hold fewer than bv samples (grid_gather_samples), chunk by
-// chunk. hs / 4 must be a power of 2. The same order every run: the same bits. (cp.async by every
-// lane, a warp per sample, measured 7.3-7.8 K clocks a step at LSTM / GRU 1024 x 32, register loads
-// 6.7-7.8 K: BENCHMARKS.md, twelfth and thirteenth sessions.)
-struct OwnedPartials {
-  float4* red_s;    // sample b's sums at [b * hs / 4 ..]
-  float4* stage_s;  // the staged partials
-  uint64_t* bar;
-  uint32_t phase = 0;
-  int nsrc;
-  __device__ OwnedPartials(unsigned char* smem, const GridOwnedSmem& lay, int nsrc_)
-      : red_s(reinterpret_cast<float4*>(smem + lay.red)),
-        stage_s(reinterpret_cast<float4*>(smem + lay.stage)),
-        bar(reinterpret_cast<uint64_t*>(smem + lay.bar)),
-        nsrc(nsrc_) {
-    if (threadIdx.x == 0) mbar_init(bar), mbar_init_fence();  // seen by all after the set-up's __syncthreads
-  }
-  __device__ __forceinline__ float sum_of(int b, int j, int hs) const {
-    return reinterpret_cast<const float*>(red_s)[b * hs + j];
-  }
-  __device__ __forceinline__ void gather(const BackwardArgs& a, const Block& blk, const int* lens, int parity,
-                                         int s_next) {
-    const Geometry& g = a.g;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nu4 = g.hs / 4, n4 = nsrc * nu4, bv = blk.bv;
-    const int gs = grid_gather_samples(g, nsrc);
-    const uint32_t bytes = static_cast<uint32_t>(n4) * 16;
-    const float4* base = reinterpret_cast<const float4*>(owned_region(a, blk, parity, blk.rank, nsrc));
-    for (int c0 = 0; c0 < bv; c0 += gs) {
-      const int c1 = min(bv, c0 + gs);
-      if (c0 > 0) __syncthreads();  // every warp is done with the last chunk's slots
-      if (warp == 0) {
-        int running = 0;
-        for (int b = c0 + lane; b < c1; b += 32) running += s_next < lens[b];
-        running = __reduce_add_sync(0xffffffffu, running);
-        if (lane == 0) mbar_arrive_expect(bar, running * bytes);
-        __syncwarp();
-        for (int b = c0 + lane; b < c1; b += 32)
-          if (s_next < lens[b]) {
-            fence_proxy_async();
-            bulk_copy(stage_s + (b - c0) * n4, base + static_cast<int64_t>(b) * n4, bytes, bar);
-          }
-      }
-      mbar_wait(bar, phase);
-      phase ^= 1u;
-      for (int b = c0 + warp; b < c1; b += kWarps) {
-        if (s_next >= lens[b]) continue;
-        const float4* src = stage_s + (b - c0) * n4;
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int e = lane; e < n4; e += 32) {
-          const float4 v = src[e];
-          acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-        }
-        for (int off = nu4; off < 32; off *= 2) {
-          acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
-          acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
-          acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
-          acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
-        }
-        if (lane < nu4) red_s[b * nu4 + lane] = acc;
-      }
+// Sums the partials of this block's units from its region: a warp per sample running at s_next stages
+// the sample's contiguous partials in shared memory with cp.async, its lanes add every 32nd float4 (lane
+// l always unit quad l % nu4), then a butterfly over the lanes of a quad; sample b's sums to red_s[b *
+// nu4 ..]. Slots are reused by the warp that filled them (grid_gather_samples: all the samples or a
+// multiple of 8), so no block-wide barrier until the sums' own. hs / 4 must be a power of 2. (Register
+// loads, 8 in flight a lane, measured the same: 6,700 / 7,800 clocks a step against 7,300 / 7,400 at
+// LSTM / GRU 1024 x 32, BENCHMARKS.md, twelfth session.) The same order every run: the same bits.
+__device__ __forceinline__ void gather_owned_partials(const float* region, const int* lens, int s_next, int bv,
+                                                      int nsrc, const Geometry& g, float4* stage_s, float4* red_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nu4 = g.hs / 4, n4 = nsrc * nu4;
+  const int gs = grid_gather_samples(g, nsrc);
+  const float4* base = reinterpret_cast<const float4*>(region);
+  for (int c0 = 0; c0 < bv; c0 += gs) {
+    const int c1 = min(bv, c0 + gs);
+    __syncwarp();  // this warp's lanes are done with its slots of the last chunk
+    for (int b = c0 + warp; b < c1; b += kWarps) {
+      if (s_next >= lens[b]) continue;
+      const float4* src = base + static_cast<int64_t>(b) * n4;
+      float4* dst = stage_s + (b - c0) * n4;
+      for (int e = lane; e < n4; e += 32) cp_async16(dst + e, src + e);
     }
-    __syncthreads();
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();  // every lane's copies, to the whole warp
+    for (int b = c0 + warp; b < c1; b += kWarps) {
+      if (s_next >= lens[b]) continue;
+      const float4* src = stage_s + (b - c0) * n4;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int e = lane; e < n4; e += 32) {
+        const float4 v = src[e];
+        acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+      }
+      for (int off = nu4; off < 32; off *= 2) {
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, off);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, off);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, off);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, off);
+      }
+      if (lane < nu4) red_s[b * nu4 + lane] = acc;
+    }
   }
-};
+  __syncthreads();
+}
 #endif
 // The kernel for a cell and rows per thread (8, 16, 24 or 32): rnn_grid_backward_regs.cu.
 const void* grid_backward_regs_kernel(Cell c, int nr);
@@ -873,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs;
+  const int H = g.H, hs = g.hs, R = G * hs;
   const GridRegsShape sh(G, H, hs);
   const int ldg = sh.ng * NR, nsrc = g.nc * sh.ng;
   const Block blk(g);
@@ -882,30 +818,38 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
   extern __shared__ __align__(16) unsigned char smem[];
   const GridOwnedSmem lay = grid_regs_smem(g, sh);
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);
+  float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
+  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  OwnedPartials owned(smem, lay, nsrc);
+  auto region = [&](int parity, int q) { return owned_region(a, blk, parity, q, nsrc); };
 
   const int quad = tid % sh.nq, grp = tid / sh.nq;
   const bool holder = grp < sh.ng;
   float w[NR][4];  // w[r][c] = W_hh[row r of the group][4 * quad + c]
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
-    const float* src = holder ? block_weight_row(a.w_hh, g, blk, G, grp * NR + r) : nullptr;
+    const int row = grp * NR + r, k = row / hs, j = row - k * hs;
+    const bool real = holder && row < R && j < blk.hv;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) w[r][c] = src && 4 * quad + c < H ? src[4 * quad + c] : 0.0f;
+    for (int c = 0; c < 4; ++c) {
+      const int u = 4 * quad + c;
+      w[r][c] = real && u < H ? a.w_hh[static_cast<int64_t>(k * H + blk.j0 + j) * H + u] : 0.0f;
+    }
   }
   for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  auto gather = [&](int parity, int s_next) { owned.gather(a, blk, lens, parity, s_next); };
-  auto sum_of = [&](int b, int j) { return owned.sum_of(b, j, hs); };
+  auto gather = [&](int parity, int s_next) {
+    gather_owned_partials(region(parity, blk.rank), lens, s_next, bv, nsrc, g, stage_s, red_s);
+  };
+  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * hs + j]; };
   // This thread's 4 units' partials of the samples running at s, two samples at a time.
   auto products = [&](int cur, int s) {
     if (!holder) return;
     const int owner = 4 * quad / hs;
-    float* out = owned_region(a, blk, cur, owner, nsrc) + (blk.rank * sh.ng + grp) * hs + (4 * quad - owner * hs);
+    float* out = region(cur, owner) + (blk.rank * sh.ng + grp) * hs + (4 * quad - owner * hs);
     const float* dg = dg_s + grp * NR;
     for (int b = next_running(lens, s, 0, bv); b < bv;) {
       const int b2 = next_running(lens, s, b + 1, bv), bb = b2 < bv ? b2 : b;

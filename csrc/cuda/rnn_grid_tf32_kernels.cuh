@@ -38,16 +38,15 @@ struct GridTf32FwdShape {
 };
 // Its shared memory: h_{t-1} of the group's samples ([b][ldh], ldh = kq + 16: a quarter warp's float4
 // loads, two samples x 4 lanes, then fall on distinct banks), the warps' sums ([warp][b][ldp], ldp =
-// 16 * mt + 4: the C fragments' stores likewise), an mbarrier per tile of 8 samples, the lengths.
+// 16 * mt + 4: the C fragments' stores likewise), the lengths.
 struct GridTf32FwdSmem {
-  int ldh, ldp, h, part, bars, lens, total;
+  int ldh, ldp, h, part, lens, total;
   __host__ __device__ GridTf32FwdSmem(const Geometry& g, const GridTf32FwdShape& sh) {
     const int bsp = round_up(g.bs, 8);
     ldh = sh.kq + 16, ldp = 16 * sh.mt + 4;
     int off = 0;
     h = off, off += bsp * ldh * 4;
     part = off, off += round_up(kWarps * bsp * ldp * 4, 16);
-    bars = off, off += round_up(bsp / 8 * 8, 16);
     lens = off, off += round_up(g.bs * 4, 16);
     total = off;
   }
@@ -68,14 +67,9 @@ struct GridTf32BwdShape {
 };
 
 // The backward's shared memory (the gate gradients of whole tiles of 8 samples: the MMAs read them all).
-// `pair`: launched in clusters of 2 (nc even), whose blocks sum their partials before they send them
-// (each the half of the units its warps 4 * side .. compute), so that an owner gathers nc / 2 sources:
-// it receives the partner's half of every running sample.
 __host__ __device__ inline int tiles_of(const Geometry& g) { return ceil_div(g.bs, 8); }
-__host__ __device__ inline int tf32_half_units(const GridTf32BwdShape& sh) { return kWarps / 2 * 16 * sh.mt; }
-__host__ __device__ inline GridOwnedSmem grid_tf32_bwd_smem(const Geometry& g, const GridTf32BwdShape& sh, bool pair) {
-  return GridOwnedSmem(g, 8 * tiles_of(g), sh.ldg, pair ? g.nc / 2 : g.nc,
-                       pair ? 8 * tiles_of(g) * tf32_half_units(sh) : 0);
+__host__ __device__ inline GridOwnedSmem grid_tf32_bwd_smem(const Geometry& g, const GridTf32BwdShape& sh) {
+  return GridOwnedSmem(g, 8 * tiles_of(g), sh.ldg, g.nc);
 }
 
 // The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
@@ -85,17 +79,6 @@ const void* grid_backward_tf32_kernel(Cell c, int mt, int ks);
 #if defined(__CUDACC__)
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) { return __float_as_uint(round_tf32(x)); }
-
-__device__ __forceinline__ uint32_t cluster_blocks() {
-  uint32_t n;
-  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
-  return n;
-}
-__device__ __forceinline__ uint32_t cluster_block() {
-  uint32_t r;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
 
 // d += a * b: a 16 x 8 tile of A (rows g, g + 8; slots t, t + 4), b its 8 x 8 B (slots t, t + 4 of
 // sample g), d its 16 x 8 C (rows g, g + 8; samples 2t, 2t + 1).
@@ -119,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
   static_assert(kWarps == 8 && KS % 2 == 0, "a warp stages one sample of each tile of 8; k-steps in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, KW = kMmaK * KS;  // KW: the warp's columns
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, Kp = round_up(H, 4);
+  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4);
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
@@ -129,7 +112,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
   const int ldh = lay.ldh, ldp = lay.ldp;
   float* h_s = reinterpret_cast<float*>(smem + lay.h);
   float* part_s = reinterpret_cast<float*>(smem + lay.part);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + lay.bars);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
   // A fragments: w[m][k] of rows 16m + gr (+ 8), k-step k of this warp's columns (permuted as above).
@@ -139,13 +121,15 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
     float v[2][KS][2];  // [row half][k-step][slot half]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float* src = block_weight_row(a.w_hh, g, blk, G, 16 * m + gr + 8 * half);
+      const int row = 16 * m + gr + 8 * half, k = row / hs, j = row - k * hs;
+      const bool real = row < R && j < blk.hv;
+      const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = warp * KW + 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + e;
-          v[half][ks][e] = src && c < H ? src[c] : 0.0f;
+          v[half][ks][e] = real && c < H ? src[c] : 0.0f;
         }
     }
 #pragma unroll
@@ -156,29 +140,28 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
   }
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < bsp * ldh; e += kThreads) h_s[e] = 0.0f;  // padding columns and samples stay 0
-  if (tid < bsp / 8) mbar_init(bars + tid), mbar_init_fence();
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
 
-  uint32_t phase = 0;  // of every tile's mbarrier: each completes once a step
   auto products = [&](int s, const float* in) {
-    // Tile n (8 samples) staged by warp n % 8: lane 0 arms its mbarrier with the running samples'
-    // bytes, lane i < 8 copies sample 8n + i's row with one bulk copy (cp.async by every lane, a warp per
-    // sample, took ~1.9 K clocks a step to issue at LSTM 1024 x 32). Tile n's MMAs run while the later
-    // tiles' rows arrive.
-    for (int n = warp; n < tiles; n += kWarps) {
-      const int b = 8 * n + lane;
-      const bool copy = lane < 8 && b < bv && s < lens[b];
-      const uint32_t rows = __popc(__ballot_sync(0xffffffffu, copy));
-      if (lane == 0) mbar_arrive_expect(bars + n, rows * Kp * 4);
-      __syncwarp();
-      if (copy) {
-        fence_proxy_async();
-        bulk_copy(h_s + b * ldh, in + static_cast<int64_t>(b) * Kp, Kp * 4, bars + n);
+    // Each tile of 8 samples its own cp.async group, a warp per sample: tile n's MMAs run while the
+    // later tiles' rows arrive.
+    for (int n = 0; n < tiles; ++n) {
+      const int b = 8 * n + warp;
+      if (b < bv && s < lens[b]) {
+        const float* src = in + static_cast<int64_t>(b) * Kp;
+        for (int k4 = lane; k4 < Kp / 4; k4 += 32) cp_async16(h_s + b * ldh + 4 * k4, src + 4 * k4);
       }
+      cp_async_commit();
     }
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      mbar_wait(bars + n, phase);
+      switch (min(tiles - 1 - n, 3)) {  // tile n's group done: at most tiles - 1 - n still in flight
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        default: cp_async_wait<3>(); break;
+      }
+      __syncthreads();
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][2][4];  // two sums per m-tile (even and odd pairs of k-steps): twice the chains
 #pragma unroll
@@ -203,7 +186,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
           part_s[(warp * bsp + 8 * n + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][0][e] + acc[m][1][e];
     }
     VLSEQ_MARK(0, 2, s);
-    phase ^= 1u;
     __syncthreads();
   };
   grid_forward_steps<C, kGridRegItems, true>(a, blk, lens, bar, products, [&](int b, int k, int j) {
@@ -220,25 +202,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(MT % 2 == 0 && KS % 2 == 0, "units in float4s; k-steps in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
-  constexpr int kHalf = kWarps / 2 * 16 * MT;  // units of a pair's side (tf32_half_units)
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs;
+  const int H = g.H, hs = g.hs, R = G * hs, nsrc = g.nc;
   const int ldg = GridTf32BwdShape(G, H, hs).ldg;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   const int tiles = ceil_div(bv, 8);
-  // Launched in clusters of 2 (the host's choice): the pair's blocks are side 0 and 1 (ranks 2p, 2p + 1).
-  const bool pair = cluster_blocks() == 2;
-  const int side = pair ? static_cast<int>(cluster_block()) : 0, nsrc = pair ? g.nc / 2 : g.nc;
-  const int src = pair ? blk.rank / 2 : blk.rank;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridOwnedSmem lay = grid_tf32_bwd_smem(g, GridTf32BwdShape(G, H, hs), pair);
+  const GridOwnedSmem lay = grid_tf32_bwd_smem(g, GridTf32BwdShape(G, H, hs));
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][ldg], rows past R and samples past bs zero
+  float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
+  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
-  float* recv_s = reinterpret_cast<float*>(smem + lay.recv);  // [b][kHalf]: the partner's partials of our side
-  OwnedPartials owned(smem, lay, nsrc);
-  const Mailbox mbox(reinterpret_cast<uint64_t*>(smem + lay.mbox));
 
   // A fragments: w[m][k] = W_hh^T of units unit(m, 0) (row gr of the m-tile) and unit(m, 1) (row gr +
   // 8), rows of W_hh as k-step k's slots (permuted as above). Lanes gr and gr ^ 1 (4 apart) hold the two
@@ -253,39 +229,30 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float* src = block_weight_row(a.w_hh, g, blk, G, 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + e);
+      const int row = 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + e, k = row / hs, j = row - k * hs;
+      const bool real = row < R && j < blk.hv;
+      const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int u = unit(m, half);
-          w[m][ks][2 * e + half] = tf32_bits(src && u < H ? src[u] : 0.0f);
+          w[m][ks][2 * e + half] = tf32_bits(real && u < H ? src[u] : 0.0f);
         }
     }
   for (int e = tid; e < 8 * tiles_of(g) * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
-  if (pair) asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 
-  auto gather = [&](int parity, int s_next) { owned.gather(a, blk, lens, parity, s_next); };
-  auto sum_of = [&](int b, int j) { return owned.sum_of(b, j, hs); };
+  auto gather = [&](int parity, int s_next) {
+    gather_owned_partials(owned_region(a, blk, parity, blk.rank, nsrc), lens, s_next, bv, nsrc, g, stage_s, red_s);
+  };
+  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * hs + j]; };
   // The partials of the samples running at s, a tile of 8 at a time: a lane's 2 * MT units of samples
   // 8n + 2t and + 1, as float4s (units unit(2q, 0) ..) to their owners (units past H are W's zero
-  // padding: not stored). In pairs, the warps of the other side's units send them to the partner
-  // (st.async into recv_s, counted on its mailbox; one buffer suffices: the partner read the last
-  // step's before the grid barrier that this step follows), and this side's warps add the partner's
-  // before they store.
-  uint32_t received = 0;  // the mailbox's phase
+  // padding: not stored).
   auto products = [&](int cur, int s) {
-    const int half = warp / (kWarps / 2);
-    const bool send = pair && half != side;
-    if (pair && tid == 0) {  // this step's receipt: the partner's side-half of every sample running
-      int running = 0;
-      for (int b = 0; b < bv; ++b) running += s < lens[b];
-      mbox.expect(0, static_cast<uint32_t>(running) * kHalf * 4);
-    }
-    bool waited = !pair || send;
     for (int n = 0; n < tiles; ++n) {
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][4];
@@ -301,30 +268,20 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
           mma_tf32(acc[m], w[m][2 * p + 1], x.z, x.w);
         }
       }
-      if (!waited) mbox.wait(0, received), waited = true;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int b = 8 * n + 2 * t + e;
         if (b >= bv || s >= lens[b]) continue;
 #pragma unroll
         for (int q = 0; q < MT / 2; ++q) {
-          const int u = unit(2 * q, 0), owner = u / hs, r = b * kHalf + u - half * kHalf;
-          float4 v = make_float4(acc[2 * q][e], acc[2 * q][2 + e], acc[2 * q + 1][e], acc[2 * q + 1][2 + e]);
-          if (send) {  // every float4 of the half, padding included: the receipt counts them all
-            mbox.send(side ^ 1, smem_u32(recv_s + r), 0, v);
-            continue;
-          }
+          const int u = unit(2 * q, 0), owner = u / hs;
           if (u >= H) break;
-          if (pair) {
-            const float4 p = *reinterpret_cast<const float4*>(recv_s + r);
-            v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-          }
-          float* out = owned_region(a, blk, cur, owner, nsrc) + (static_cast<int64_t>(b) * nsrc + src) * hs + (u - owner * hs);
-          __stcg(reinterpret_cast<float4*>(out), v);
+          float* out = owned_region(a, blk, cur, owner, nsrc) + (static_cast<int64_t>(b) * nsrc + blk.rank) * hs + (u - owner * hs);
+          __stcg(reinterpret_cast<float4*>(out),
+                 make_float4(acc[2 * q][e], acc[2 * q][2 + e], acc[2 * q + 1][e], acc[2 * q + 1][2 + e]));
         }
       }
     }
-    if (pair) received ^= 1u;
   };
   grid_backward_steps<C, kGridRegItems, true>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
 #endif

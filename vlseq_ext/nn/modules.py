@@ -30,12 +30,12 @@ KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 #   sample, 0.81x for 32); at hidden 128 ours measured faster (LSTM 2.1x / 2.0x for 1 / 32 samples,
 #   GRU 1.3x and bidirectional GRU 1.4x for 32); hidden 65-127 is unmeasured and goes to ours;
 # - unpadded input under bf16 autocast (ours 0.96x at hidden 256, 0.65x at 1024);
-# - the grid layout with 16 or more samples per block under bf16 autocast, or where cuDNN would run TF32
-#   (torch.backends.cudnn.allow_tf32, on by default) and no backward follows (grad off, or nothing that
-#   requires it): LSTM 1024 at batch 32, ours 0.87x of cuDNN's TF32 forward alone but 1.28x of its
-#   forward and backward, 0.65x of its bf16; against its exact fp32 ours is 1.98x (twelfth session, run 5).
+# - the grid layout with 16 or more samples per block under bf16 autocast: LSTM 1024 at batch 32, ours
+#   0.65x of cuDNN's bf16 (twelfth session, run 5).
 # Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.96x at hidden 512 and 2.5x at 1024
-# for one sample, and 2.9-11x on batches with per-sample lengths, which cuDNN runs packed.
+# for one sample, 2.9-11x on batches with per-sample lengths, which cuDNN runs packed, and LSTM 1024 at
+# batch 32 ~2x of cuDNN in fp32 and in TF32 (where cuDNN runs TF32, so do ours: the forward alone ~2x of
+# cuDNN's TF32 forward; thirteenth session).
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_CUDNN_GRID_SAMPLES = 16
 
@@ -132,16 +132,9 @@ class _KernelRNN:
                 return False
             plan = self._plan(batch, x.device)
             per_block = re.search(r"(\d+) samples per block", plan)
-            if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
-                if bf16:
-                    return False  # cuDNN's bf16 measured faster there
-                if torch.backends.cudnn.allow_tf32 and not self._backward_follows(x):
-                    return False  # cuDNN's TF32 forward measured faster; with the backward ours did
+            if bf16 and plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
+                return False  # cuDNN's bf16 measured faster there
         return True
-
-    def _backward_follows(self, x: Tensor) -> bool:
-        """Whether autograd records this call: grad mode on and the input or a parameter requires grad."""
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _run(self, input, hx=None, lengths=None):
         if isinstance(input, PackedSequence):
