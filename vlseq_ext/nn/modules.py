@@ -130,10 +130,11 @@ class _KernelRNN:
             bf16 = functional.precision_for(x) == "bf16"
             if not padded and (self.hidden_size <= AUTO_CUDNN_MAX_HIDDEN or bf16):
                 return False
-            plan = self._plan(batch, x.device)
-            per_block = re.search(r"(\d+) samples per block", plan)
-            if bf16 and plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
-                return False  # cuDNN's bf16 measured faster there
+            if bf16:  # padded: cuDNN's bf16 measured faster on grid layouts with many samples per block
+                plan = self._plan(batch, x.device)
+                per_block = re.search(r"(\d+) samples per block", plan)
+                if plan.startswith("grid") and per_block and int(per_block.group(1)) >= AUTO_CUDNN_GRID_SAMPLES:
+                    return False
         return True
 
     def _run(self, input, hx=None, lengths=None):
