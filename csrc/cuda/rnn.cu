@@ -1,6 +1,6 @@
 // Host side of the persistent recurrent kernels (rnn_kernels.cuh, rnn_fused_kernels.cuh,
-// rnn_scatter_kernel.cuh): the layout of a layer on the GPU (plan_layer), the launches, and the
-// outputs.
+// rnn_scatter_kernel.cuh, rnn_grid_kernels.cuh, rnn_grid_tf32_kernels.cuh): the layout of a layer on the
+// GPU (plan_layer), the launches, and the outputs.
 //
 // Layout choice: W_hh (G*H x H) is split over nc blocks by hidden unit. Thread-block clusters of
 // nc <= 16 hold it when it fits (fp32: H up to about 440 for an LSTM), and then each cluster
@@ -9,9 +9,10 @@
 // samples in one batch tile (fp32, fits_fused), the fused kernels run it; the backward may instead
 // be the fused one with a reduce-scatter (fits_scatter), faster from two samples per block on.
 // Bigger layers spread over up to one block per SM and synchronise through global memory (kGrid,
-// launched cooperatively; rnn_grid_kernels.cuh). The choice minimises a cost model of one step (products, cell, exchange
-// and barrier, in clocks) times the number of waves of groups that do not fit on the GPU at once;
-// BENCHMARKS.md has what it picks and what that measures.
+// launched cooperatively; rnn_grid_kernels.cuh; with weights "tf32" their products run on the tensor
+// cores where a kernel has the shape, rnn_grid_tf32_kernels.cuh). The choice minimises a cost model of
+// one step (products, cell, exchange and barrier, in clocks) times the number of waves of groups that
+// do not fit on the GPU at once; BENCHMARKS.md has what it picks and what that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -116,9 +117,9 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
 // fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
 // whichever bounds (with W_hh in registers, `fregs` / `regs`: the FMAs of the rows held, padding
-// included, on the threads that hold them; the TF32 kernels, `ftf32` / `btf32`: their MMAs); L2 at ~2.9 KB a clock for the whole GPU (forward: every
-// block reads every sample's h, under the products; backward: the partials written under the products,
-// read after the barrier); ~2,500 a direction for the cell and the barrier. The steps measure 2-2.5x
+// included, on the threads that hold them; the TF32 kernels, `ftf32` / `btf32`: their MMAs); L2 at
+// ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's h, under the products;
+// backward: the partials written under the products, read after the barrier); ~2,500 a direction for the cell and the barrier. The steps measure 2-2.5x
 // this (the shared-memory tiles' products run at ~45% of the FMA rate, the register kernels issue about
 // half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
