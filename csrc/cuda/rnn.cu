@@ -274,11 +274,14 @@ Geometry geometry(const LayerPlan& plan, const Sizes& z, bool reverse) {
 GridRegsShape regs_shape(const LayerPlan& plan, const Sizes& z) {
   return GridRegsShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
 }
-GridTf32FwdShape tf32_forward_shape(const LayerPlan& plan, const Sizes& z) {
-  return GridTf32FwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+// The TF32 kernels of the plan's shape (grid_plan chose them only where they exist).
+const void* tf32_forward_kernel(const LayerPlan& plan, const Sizes& z) {
+  const GridTf32FwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+  return grid_forward_tf32_kernel(z.cell, sh.mt, sh.ks);
 }
-GridTf32BwdShape tf32_backward_shape(const LayerPlan& plan, const Sizes& z) {
-  return GridTf32BwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+const void* tf32_backward_kernel(const LayerPlan& plan, const Sizes& z) {
+  const GridTf32BwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+  return grid_backward_tf32_kernel(z.cell, sh.mt, sh.ks);
 }
 
 template <typename Args>
@@ -419,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32_forward ? grid_forward_tf32_kernel(z.cell, tf32_forward_shape(plan, z).mt, tf32_forward_shape(plan, z).ks)
+  launch(plan.tf32_forward ? tf32_forward_kernel(plan, z)
          : grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
                                       : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward),
@@ -472,7 +475,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32_backward ? grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).mt, tf32_backward_shape(plan, z).ks)
+  launch(plan.tf32_backward ? tf32_backward_kernel(plan, z)
          : grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
          : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
          : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
