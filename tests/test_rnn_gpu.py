@@ -343,18 +343,23 @@ def test_tf32_mode_tolerance(rand):
 TF32_OP_TOL = 2e-3
 
 
-@pytest.mark.parametrize("cell,H,lens,reverse", [
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False),
-    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True),
-    ("lstm", 1001, [30, 4, 17], True),  # a last block with one unit, padding columns
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22], False),  # an odd number of blocks (125)
-    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False),  # other shapes of both kernels
+@pytest.mark.parametrize("cell,H,lens,reverse,directions", [
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False, "forward and backward"),
+    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, "forward and backward"),
+    # the backward's second m-tile of samples: all of them ended after a few steps
+    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "forward and backward"),
+    ("lstm", 1001, [30, 4, 17], True, "forward and backward"),  # a last block with one unit, padding columns
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22], False, "forward and backward"),  # an odd number of blocks (125)
+    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "forward and backward"),  # other shapes
+    # 40 samples a group: the TF32 backward holds at most 32, so the fp32 register backward runs it
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6, 30, 5, 11, 30] * 2, False, "forward"),
 ])
-def test_op_grid_layout_tf32(rand, cell, H, lens, reverse):
-    """weights "tf32" on the grid layout: both directions' products on the tensor cores; every output of
-    both ops against the CPU kernels in fp32 within TF32_OP_TOL, and samples past their length untouched."""
+def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions):
+    """weights "tf32" on the grid layout: the products on the tensor cores in the directions whose kernel
+    has the shape; every output of both ops against the CPU kernels in fp32 within TF32_OP_TOL, and
+    samples past their length untouched."""
     plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV)
-    assert plan.startswith("grid") and "TF32 products on the tensor cores (forward and backward)" in plan, plan
+    assert plan.startswith("grid") and f"TF32 products on the tensor cores ({directions})" in plan, plan
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", tol=TF32_OP_TOL)
 
 

@@ -161,14 +161,17 @@ int main(int argc, char** argv) {
       launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, grid_regs_smem(g, sh).total, true);
       report(1, 6, T, gb);
     }
-    const GridTf32BwdShape btsh(G, H, hs);
-    if (regs_pairs && btsh.ks > 0) {
-      printf(" TF32 on the tensor cores (%d m-tiles x %d k-steps per warp):\n", btsh.mt, btsh.ks);
+    const GridTf32BwdShape btsh(G, H, hs, B);
+    if (regs_pairs && btsh.kp > 0) {
+      printf(" TF32 on the tensor cores (%d m-tiles x %d pairs of k-steps per warp, %d buffers a warp, gate gradients all-gathered):\n",
+             btsh.mt, btsh.kp, kTf32Stages);
       float* tx;
-      cudaMalloc(&tx, grid_owned_exchange(g, groups, nc) * 4);
+      const size_t bytes = grid_tf32_exchange(g, groups, btsh) * 4;
+      cudaMalloc(&tx, bytes);
+      cudaMemset(tx, 0, bytes);
       cudaMemset(arrivals, 0, groups * 4);
       ba.xchg = tx;
-      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.ks), ba, blocks, nc, grid_tf32_bwd_smem(g, btsh).total, true);
+      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.kp), ba, blocks, nc, GridTf32BwdSmem(g, btsh).total, true);
       report(1, 6, T, gb);
     }
     return 0;

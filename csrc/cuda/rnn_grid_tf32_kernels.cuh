@@ -1,18 +1,18 @@
 // The grid layout's TF32 kernels (weights "tf32": cuDNN's allow_tf32 mode): the recurrent products on
-// the tensor cores, mma.sync m16n8k8 with W_hh in registers as the A fragments, rounded to TF32 once, and
-// h (forward) or the gate gradients (backward) rounded to TF32 where the cells write them; sums and state
-// stay fp32. The work split, the exchanges, the barrier and the cells are the fp32 grid kernels'
-// (rnn_grid_kernels.cuh: grid_forward_steps, grid_backward_steps, the backward's owner-major partials and
-// gather). The fp32 register kernels' products took ~16 K clocks a step each way at LSTM 1024 x 32
-// (twice the FMAs' issue time: shuffles, selects, bookkeeping); these take ~1 K of MMAs, so the step is
-// left with the exchange.
+// the tensor cores, mma.sync m16n8k8 with W_hh in registers (rounded to TF32 once) as one operand, and h
+// (forward) or the gate gradients (backward) rounded to TF32 where the cells write them as the other;
+// sums and state stay fp32. The cells and the barrier are the fp32 grid kernels' (rnn_grid_kernels.cuh:
+// grid_forward_steps, grid_backward_steps); the forward's exchange too (it all-gathers h), while the
+// backward all-gathers the gate gradients where the fp32 kernels reduce-scatter partial sums (below).
+// The fp32 register kernels' products took ~16 K clocks a step each way at LSTM 1024 x 32 (twice the
+// FMAs' issue time: shuffles, selects, bookkeeping); these take ~1 K of MMAs, so the step is left with
+// the exchange.
 //
-// The k order inside an MMA is free (the sum is the same set of products), so the columns are permuted
-// to let one float4 load give a lane its B operands of two k-steps: in the pair of k-steps p (16
-// columns c0 .. c0 + 15), lane (g = lane / 4, t = lane % 4) holds slots t and t + 4 of k-step 2p as
-// columns c0 + 4t and c0 + 4t + 1, and of k-step 2p + 1 as c0 + 4t + 2 and + 3: its B operands are the
-// float4 at column c0 + 4t of its sample's row. Rows of A (forward: W_hh's rows; backward: the units)
-// are placed as the stores want them.
+// The k order inside an MMA is free (the sum is the same set of products), so k is permuted to let one
+// float4 load give a lane its operands of two k-steps: in the pair of k-steps p (16 values of k, c0 ..
+// c0 + 15), lane (g = lane / 4, t = lane % 4) holds slots t and t + 4 of k-step 2p as c0 + 4t and c0 +
+// 4t + 1, and of k-step 2p + 1 as c0 + 4t + 2 and + 3: its operands from shared memory are the float4
+// at c0 + 4t of its sample's row.
 #pragma once
 
 #include "rnn_grid_kernels.cuh"
@@ -52,42 +52,81 @@ struct GridTf32FwdSmem {
   }
 };
 
-// The backward: warp w computes the partials of units w * 16 * mt .. (mt even: a lane's 2 * mt units of
-// a sample are consecutive, float4 stores) over the block's rows as ks k-steps (even, rows padded with
-// zero gate gradients); each block is one source of its units' owners' partials (nsrc = nc).
+// The backward all-gathers the step's recurrent gate gradients instead of sending partial sums: the
+// cells write their units' (rounded to TF32) to the exchange buffer, rows k * Hp + j (Hp = H rounded up
+// to 4; padding rows zero), and every block multiplies all of them by its units' columns of W_hh,
+// dh^T (samples x units) = G^T W[:, units]: M the samples (mt = 1 or 2 m-tiles of 16: at most 32 samples
+// a group; with 4, W, the cells' state and the sums outgrew the registers), N the block's units (hs 4 or
+// 8: one n-tile), K the kx rows, split over the warps (kp pairs of k-steps each, W in registers as the
+// B fragments). A block then reads 4 * H floats a sample (512 KB a step at LSTM 1024 x 32, every
+// block the same data, at the SM's intake of ~42 bytes a clock) where the partials cost a write of
+// H floats a sample, their wait at the barrier and a gather of as many (BENCHMARKS.md: 7.5 K, 2.7 K and
+// 7.8 K clocks of a 22.6 K step).
 struct GridTf32BwdShape {
-  int mt = 0, ks = 0, ldg = 0;  // ks = 0: no kernel fits
-  __host__ __device__ GridTf32BwdShape(int G, int H, int hs) {
-    const int Kp = round_up(H, 4), nu4 = hs / 4;
-    const int m = round_up(ceil_div(Kp, kWarps * 16), 2), k = round_up(ceil_div(G * hs, kMmaK), 2);
-    // The gather sums float4s of units over the lanes of a quad: hs / 4 a power of 2, at most 32.
-    if (m > 8 || k > 4 || hs % 4 != 0 || nu4 > 32 || (nu4 & (nu4 - 1)) != 0) return;
-    mt = m, ks = k, ldg = round_up(kMmaK * k, 32) + 16;  // the float4 loads of dg: distinct banks
+  int mt = 0, kp = 0, kx = 0, ldg = 0;  // kp = 0: no kernel fits
+  __host__ __device__ GridTf32BwdShape(int G, int H, int hs, int bs) {
+    const int pairs = ceil_div(G * round_up(H, 4), kWarps * 16), m = ceil_div(bs, 16);
+    const int k = pairs <= 16 ? 16 : pairs <= 24 ? 24 : pairs <= 32 ? 32 : 0;
+    if (k == 0 || m > 2 || (hs != 4 && hs != 8)) return;
+    mt = m, kp = k, kx = kWarps * 16 * k, ldg = G * hs;
   }
 };
-
-// The backward's shared memory (the gate gradients of whole tiles of 8 samples: the MMAs read them all).
-__host__ __device__ inline int tiles_of(const Geometry& g) { return ceil_div(g.bs, 8); }
-__host__ __device__ inline GridOwnedSmem grid_tf32_bwd_smem(const Geometry& g, const GridTf32BwdShape& sh) {
-  return GridOwnedSmem(g, 8 * tiles_of(g), sh.ldg, g.nc);
+// Each warp streams its rows through a ring of kTf32Stages shared-memory buffers (cp.async, one chunk of
+// 64 / mt rows of every sample each: 4 KB at 16 * mt samples, each sample's row padded by 16 bytes),
+// kTf32Stages - 1 chunks in flight while it multiplies one. -DVLSEQ_RNN_TF32_STAGES=n for the probe's A/B.
+#ifndef VLSEQ_RNN_TF32_STAGES
+#define VLSEQ_RNN_TF32_STAGES 4
+#endif
+constexpr int kTf32Stages = VLSEQ_RNN_TF32_STAGES;
+// Its shared memory: the cells' gate gradients (bs x ldg), the warps' sums ([warp][16 * mt][8 units]),
+// the warps' rings, the lengths.
+struct GridTf32BwdSmem {
+  int dg, part, stage, lens, total;
+  __host__ __device__ GridTf32BwdSmem(const Geometry& g, const GridTf32BwdShape& sh) {
+    int off = 0;
+    dg = off, off += round_up(g.bs * sh.ldg * 4, 16);
+    part = off, off += kWarps * 16 * sh.mt * 8 * 4;
+    stage = off, off += kWarps * kTf32Stages * 16 * sh.mt * (64 / sh.mt + 4) * 4;
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+// Floats of its exchange buffer (zeroed: the padding rows are never written): two parities of every
+// group's bs samples x kx rows.
+inline int64_t grid_tf32_exchange(const Geometry& g, int groups, const GridTf32BwdShape& sh) {
+  return 2 * static_cast<int64_t>(groups) * g.bs * sh.kx;
 }
 
 // The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);
-const void* grid_backward_tf32_kernel(Cell c, int mt, int ks);
+const void* grid_backward_tf32_kernel(Cell c, int mt, int kp);
 
 #if defined(__CUDACC__)
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) { return __float_as_uint(round_tf32(x)); }
 
-// d += a * b: a 16 x 8 tile of A (rows g, g + 8; slots t, t + 4), b its 8 x 8 B (slots t, t + 4 of
-// sample g), d its 16 x 8 C (rows g, g + 8; samples 2t, 2t + 1).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], float b0, float b1) {
+// d += a * b: a the 16 x 8 A (a0, a1: slot t of rows g, g + 8; a2, a3: slot t + 4), b its 8 x 8 B (slots
+// t, t + 4 of column g), d the 16 x 8 C (rows g, g + 8; columns 2t, 2t + 1); a and b as TF32 bits.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The forward's: A (W_hh) held as fragments, B (h) read as floats.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], float b0, float b1) {
+  mma_tf32(d, a[0], a[1], a[2], a[3], __float_as_uint(b0), __float_as_uint(b1));
+}
+
+// A fragments of an m16n8k8 TF32 MMA from shared memory: lanes 8j .. 8j + 7 give the addresses of rows
+// 0-7 (j = 0, 2) or 8-15 (j = 1, 3), k 0-3 (j = 0, 1) or 4-7 (j = 2, 3), 16 bytes each (ldmatrix of
+// 16-bit pairs: a lane gets element t of row g of each 8 x 4 block, which is the fragment's layout).
+__device__ __forceinline__ void ldsm_tf32_a(uint32_t (&a)[4], const float* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(smem_u32(p)));
 }
 
 // Whether any of samples n0 .. n0 + 7 runs at step s (the same answer in every lane).
@@ -197,120 +236,144 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
 #endif
 }
 
-template <Cell C, int MT, int KS>
+template <Cell C, int MT, int KP>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(MT % 2 == 0 && KS % 2 == 0, "units in float4s; k-steps in pairs");
-  constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  // A chunk: CR rows of every sample (rows LDR floats apart: 16 bytes of padding put the 8 rows of an
+  // ldmatrix block on distinct banks), KC k-steps; NCH chunks a warp; KX rows of the exchange.
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, NB = kTf32Stages, BSP = 16 * MT, CR = 64 / MT;
+  constexpr int LDR = CR + 4, KC = CR / 8, NCH = 2 * KP / KC, KX = kWarps * 16 * KP;
+  static_assert(NB >= 2 && (2 * KP) % KC == 0, "a ring of two buffers at least; whole chunks");
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, nsrc = g.nc;
-  const int ldg = GridTf32BwdShape(G, H, hs).ldg;
+  const int H = g.H, hs = g.hs, Hp = round_up(H, 4), kw = 16 * KP, ldg = G * hs;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
-  const int tiles = ceil_div(bv, 8);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridOwnedSmem lay = grid_tf32_bwd_smem(g, GridTf32BwdShape(G, H, hs));
-  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][ldg], rows past R and samples past bs zero
-  float4* red_s = reinterpret_cast<float4*>(smem + lay.red);
-  float4* stage_s = reinterpret_cast<float4*>(smem + lay.stage);
+  const GridTf32BwdSmem lay(g, GridTf32BwdShape(G, H, hs, g.bs));
+  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);      // [b][ldg]: gate k of unit j at k * hs + j
+  float* part_s = reinterpret_cast<float*>(smem + lay.part);  // [warp][b][8]
+  float* ring = reinterpret_cast<float*>(smem + lay.stage) + warp * NB * BSP * LDR;  // [buffer][b][LDR]
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
-  // A fragments: w[m][k] = W_hh^T of units unit(m, 0) (row gr of the m-tile) and unit(m, 1) (row gr +
-  // 8), rows of W_hh as k-step k's slots (permuted as above). Lanes gr and gr ^ 1 (4 apart) hold the two
-  // halves of 8 consecutive units (two float4s of a 32-byte sector: an owner's 8 units of a sample
-  // where hs is 8), for MT / 2 such runs: each store instruction then writes whole sectors (with a
-  // lane's 2 * MT units consecutive, every sector took two half writes: the step's partials 24.9 K
-  // clocks at LSTM 1024 x 32 against 15.5 K for the FFMA kernel, BENCHMARKS.md, thirteenth session).
-  const int u0 = warp * 16 * MT + (gr / 2) * 4 * MT + 4 * (gr % 2);
-  auto unit = [&](int m, int half) { return u0 + 8 * (m / 2) + 2 * (m % 2) + half; };
-  uint32_t w[MT][KS][4];
+  // B fragments: w[ks][i] = W_hh[row][unit j0 + gr] of exchange row warp * kw + 8 ks + t + 4i (k * Hp + j:
+  // W_hh's row k * H + j), slots t and t + 4 of k-step ks (the A fragments come in k's own order).
+  uint32_t w[2 * KP][2];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks)
+  for (int ks = 0; ks < 2 * KP; ++ks)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + e, k = row / hs, j = row - k * hs;
-      const bool real = row < R && j < blk.hv;
-      const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int u = unit(m, half);
-          w[m][ks][2 * e + half] = tf32_bits(real && u < H ? src[u] : 0.0f);
-        }
+    for (int i = 0; i < 2; ++i) {
+      const int r = warp * kw + 8 * ks + t + 4 * i, k = r / Hp, j = r - k * Hp;
+      const bool real = k < G && j < H && gr < blk.hv;
+      w[ks][i] = tf32_bits(real ? a.w_hh[static_cast<int64_t>(k * H + j) * H + blk.j0 + gr] : 0.0f);
     }
-  for (int e = tid; e < 8 * tiles_of(g) * ldg; e += kThreads) dg_s[e] = 0.0f;
+  for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  auto gather = [&](int parity, int s_next) {
-    gather_owned_partials(owned_region(a, blk, parity, blk.rank, nsrc), lens, s_next, bv, nsrc, g, stage_s, red_s);
+  auto region = [&](int parity) {
+    return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * KX;
   };
-  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * hs + j]; };
-  // The partials of the samples running at s, a tile of 8 at a time: a lane's 2 * MT units of samples
-  // 8n + 2t and + 1, as float4s (units unit(2q, 0) ..) to their owners (units past H are W's zero
-  // padding: not stored).
-  auto products = [&](int cur, int s) {
-    for (int n = 0; n < tiles; ++n) {
-      if (!tile_runs(lens, 8 * n, bv, s)) continue;
-      float acc[MT][4];
+  // A chunk's copies: lanes 2s and 2s + 1 copy a 32-byte sector of sample s + 16 * (i / SC), sector i %
+  // SC (SC sectors a row), in copy i < 8; a lane's copies sit at two offsets from one address, in
+  // immediates for every chunk (one address per copy cost registers). Each lane also gives ldmatrix the
+  // row of its block (lane / 8: rows + 8, k + 4) in every k-step.
+  constexpr int SC = CR / 8;
+  float* const lane_ring = ring + (lane / 2) * LDR + 4 * (lane % 2);
+  const float* const lane_a = ring + (8 * ((lane / 8) & 1) + lane % 8) * LDR + 4 * (lane / 16);
+  // dh_t of the samples running at s_next: this warp's rows of every gate gradient of step s_next,
+  // streamed through the ring, times its columns of W; the warps' sums to part_s.
+  auto gather = [&](int parity, int s_next) {
+    const unsigned run = __ballot_sync(0xffffffffu, lane < bv && s_next < lens[lane]);  // bit b: sample b runs
+    const unsigned mine = run >> (lane / 2);  // bit 16 n: sample lane / 2 + 16 n runs
+    const float* src = region(parity) + static_cast<int64_t>(lane / 2) * KX + warp * kw + 4 * (lane % 2);
+    auto issue = [&](int c) {  // chunk c into buffer c % NB: only the running samples' rows
+      if (c < NCH)
 #pragma unroll
-      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
-      const float* db = dg_s + (8 * n + gr) * ldg + 4 * t;
-#pragma unroll
-      for (int p = 0; p < KS / 2; ++p) {
-        const float4 x = *reinterpret_cast<const float4*>(db + 16 * p);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          mma_tf32(acc[m], w[m][2 * p], x.x, x.y);
-          mma_tf32(acc[m], w[m][2 * p + 1], x.z, x.w);
+        for (int i = 0; i < 8; ++i) {
+          const int n = i / SC, sc = i % SC;
+          if (n < MT && ((mine >> (16 * n)) & 1))
+            cp_async16(lane_ring + (c % NB) * BSP * LDR + 16 * n * LDR + 8 * sc, src + 16 * n * KX + c * CR + 8 * sc);
         }
-      }
+      cp_async_commit();  // empty past the last chunk: the wait below counts groups
+    };
+    float acc[MT][2][4];  // two sums per m-tile (even and odd k-steps): twice the chains
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = 8 * n + 2 * t + e;
-        if (b >= bv || s >= lens[b]) continue;
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int q = 0; q < MT / 2; ++q) {
-          const int u = unit(2 * q, 0), owner = u / hs;
-          if (u >= H) break;
-          float* out = owned_region(a, blk, cur, owner, nsrc) + (static_cast<int64_t>(b) * nsrc + blk.rank) * hs + (u - owner * hs);
-          __stcg(reinterpret_cast<float4*>(out),
-                 make_float4(acc[2 * q][e], acc[2 * q][2 + e], acc[2 * q + 1][e], acc[2 * q + 1][2 + e]));
+      for (int e = 0; e < 8; ++e) acc[m][e / 4][e % 4] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NB - 1; ++c) issue(c);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      cp_async_wait<NB - 2>();  // chunk c has landed (this lane's copies)
+      __syncwarp();             // every lane's copies, to the whole warp; chunk c - 1's buffer is free
+      issue(c + NB - 1);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (((run >> (16 * m)) & 0xffffu) == 0) continue;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+          const int ks = c * KC + kc;
+          uint32_t x[4];
+          ldsm_tf32_a(x, lane_a + (c % NB) * BSP * LDR + 16 * m * LDR + 8 * kc);
+          mma_tf32(acc[m][ks % 2], x[0], x[1], x[2], x[3], w[ks][0], w[ks][1]);
         }
       }
     }
+    // C: samples 16m + gr (+ 8), units 2t and 2t + 1.
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float* dst = part_s + (warp * BSP + 16 * m + gr) * 8 + 2 * t;
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[m][0][0] + acc[m][1][0], acc[m][0][1] + acc[m][1][1]);
+      *reinterpret_cast<float2*>(dst + 64) = make_float2(acc[m][0][2] + acc[m][1][2], acc[m][0][3] + acc[m][1][3]);
+    }
+    __syncthreads();
   };
-  grid_backward_steps<C, kGridRegItems, true>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
+  auto sum_of = [&](int b, int j) {  // the warps' sums in order: the same bits every run
+    float v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kWarps; ++q) v += part_s[(q * BSP + b) * 8 + j];
+    return v;
+  };
+  // This block's gate gradients of the samples running at s to the exchange buffer, a float4 of units a
+  // thread (the float4 that holds unit H - 1 also writes zeros into the rows' padding; none past it).
+  auto products = [&](int cur, int s) {
+    float* dst = region(cur);
+    const int q4 = hs / 4, per = G * q4;
+    for (int e = tid; e < bv * per; e += kThreads) {
+      const int b = e / per, r = e - b * per, k = r / q4, q = r - k * q4;
+      if (s >= lens[b] || blk.j0 + 4 * q >= H) continue;
+      const float4 v = *reinterpret_cast<const float4*>(dg_s + b * ldg + k * hs + 4 * q);
+      __stcg(reinterpret_cast<float4*>(dst + static_cast<int64_t>(b) * KX + k * Hp + blk.j0 + 4 * q), v);
+    }
+  };
+  // One (sample, unit) pair a thread: at most 32 samples of 8 units.
+  grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
 #endif
 }
 
-// The function NAME returning KERNEL for a cell and (m-tiles, k-steps): the forward's (1 or 2, one of
-// 8, 12, 16), the backward's (2, 4, 6 or 8; 2 or 4).
-#define VLSEQ_RNN_GRID_TF32_FWD_CASES(KERNEL, CELL)                                          \
-  if (mt == 1 && ks == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 8>);    \
-  if (mt == 1 && ks == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 12>);  \
-  if (mt == 1) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 16>);              \
-  if (ks == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 8>);               \
-  if (ks == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 12>);             \
+// The function NAME returning KERNEL for a cell and (m-tiles, k): the forward's (1 or 2; k-steps 8, 12 or
+// 16), the backward's (1 or 2; pairs of k-steps 16, 24 or 32).
+#define VLSEQ_RNN_GRID_TF32_FWD_CASES(KERNEL, CELL)                                    \
+  if (mt == 1 && k == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 8>);   \
+  if (mt == 1 && k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 12>); \
+  if (mt == 1) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 16>);            \
+  if (k == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 8>);              \
+  if (k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 12>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);
-#define VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, CELL)                                   \
-  if (ks == 2) {                                                                       \
-    if (mt == 2) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 2>);            \
-    if (mt == 4) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 2>);            \
-    if (mt == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 6, 2>);            \
-    return reinterpret_cast<const void*>(&KERNEL<CELL, 8, 2>);                         \
-  }                                                                                    \
-  if (mt == 2) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 4>);              \
-  if (mt == 4) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 4>);              \
-  if (mt == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 6, 4>);              \
-  return reinterpret_cast<const void*>(&KERNEL<CELL, 8, 4>);
-#define VLSEQ_RNN_GRID_TF32_TABLE(NAME, KERNEL, CASES)              \
-  const void* NAME(Cell c, int mt, int ks) {                        \
-    if (c == Cell::kLSTM) { CASES(KERNEL, Cell::kLSTM) }            \
-    CASES(KERNEL, Cell::kGRU)                                       \
+#define VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, CELL)                                    \
+  if (mt == 1 && k == 16) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 16>); \
+  if (mt == 1 && k == 24) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 24>); \
+  if (mt == 1) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 32>);            \
+  if (k == 16) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);            \
+  if (k == 24) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 24>);            \
+  return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 32>);
+#define VLSEQ_RNN_GRID_TF32_TABLE(NAME, KERNEL, CASES) \
+  const void* NAME(Cell c, int mt, int k) {            \
+    if (c == Cell::kLSTM) { CASES(KERNEL, Cell::kLSTM) } \
+    CASES(KERNEL, Cell::kGRU)                          \
   }
 
 #endif  // __CUDACC__
