@@ -343,24 +343,26 @@ def test_tf32_mode_tolerance(rand):
 TF32_OP_TOL = 2e-3
 
 
-@pytest.mark.parametrize("cell,H,lens,reverse,directions", [
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False, "forward and backward"),
-    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, "forward and backward"),
+@pytest.mark.parametrize("cell,H,lens,reverse,directions,max_blocks", [
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False, "forward and backward", 0),
+    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, "forward and backward", 0),
     # the backward's second m-tile of samples: all of them ended after a few steps
-    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "forward and backward"),
-    ("lstm", 1001, [30, 4, 17], True, "forward and backward"),  # a last block with one unit, padding columns
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22], False, "forward and backward"),  # an odd number of blocks (125)
-    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "forward and backward"),  # other shapes
+    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "forward and backward", 0),
+    # a last block with one unit, padding columns; 126 blocks: a last row group of 6
+    ("lstm", 1001, [30, 4, 17], True, "forward and backward", 0),
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22], False, "forward and backward", 0),  # 125 blocks
+    # 64 blocks: 8 row groups, one owner a warp
+    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "forward and backward", 64),
     # 40 samples a group: the TF32 backward holds at most 32, so the fp32 register backward runs it
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6, 30, 5, 11, 30] * 2, False, "forward"),
+    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6, 30, 5, 11, 30] * 2, False, "forward", 0),
 ])
-def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions):
+def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions, max_blocks):
     """weights "tf32" on the grid layout: the products on the tensor cores in the directions whose kernel
     has the shape; every output of both ops against the CPU kernels in fp32 within TF32_OP_TOL, and
     samples past their length untouched."""
-    plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV)
+    plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV, max_blocks=max_blocks)
     assert plan.startswith("grid") and f"TF32 products on the tensor cores ({directions})" in plan, plan
-    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", tol=TF32_OP_TOL)
+    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
 
 
 def test_tf32_modules_follow_cudnns_flag(rand):

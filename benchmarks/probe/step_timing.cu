@@ -29,8 +29,8 @@ VLSEQ_RNN_GRID_TABLE(grid_forward_kernel, rnn_forward_grid_kernel)
 VLSEQ_RNN_GRID_TABLE(grid_backward_kernel, rnn_backward_grid_kernel)
 VLSEQ_RNN_GRID_REGS_TABLE(grid_backward_regs_kernel, rnn_backward_grid_regs_kernel)
 VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_kernel)
-VLSEQ_RNN_GRID_TF32_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_FWD_CASES)
-VLSEQ_RNN_GRID_TF32_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_BWD_CASES)
+VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel)
+VLSEQ_RNN_GRID_TF32_BWD_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -161,17 +161,18 @@ int main(int argc, char** argv) {
       launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, grid_regs_smem(g, sh).total, true);
       report(1, 6, T, gb);
     }
-    const GridTf32BwdShape btsh(G, H, hs, B);
-    if (regs_pairs && btsh.kp > 0) {
-      printf(" TF32 on the tensor cores (%d m-tiles x %d pairs of k-steps per warp, %d buffers a warp, gate gradients all-gathered):\n",
-             btsh.mt, btsh.kp, kTf32Stages);
+    const GridTf32BwdShape btsh(G, hs, nc, B);
+    if (regs_pairs && btsh.ntw > 0) {
+      printf(" TF32 on the tensor cores (row groups of %d blocks, %d owners a warp):\n", kTf32RowGroup, btsh.ntw);
       float* tx;
       const size_t bytes = grid_tf32_exchange(g, groups, btsh) * 4;
       cudaMalloc(&tx, bytes);
       cudaMemset(tx, 0, bytes);
-      cudaMemset(arrivals, 0, groups * 4);
-      ba.xchg = tx;
-      launch(grid_backward_tf32_kernel(cell, btsh.mt, btsh.kp), ba, blocks, nc, GridTf32BwdSmem(g, btsh).total, true);
+      unsigned* counters;
+      cudaMalloc(&counters, grid_tf32_counters(groups, btsh) * 4);
+      cudaMemset(counters, 0, grid_tf32_counters(groups, btsh) * 4);
+      ba.xchg = tx, ba.arrivals = counters;
+      launch(grid_backward_tf32_kernel(cell, btsh.ntw), ba, blocks, nc, GridTf32BwdSmem(g, G, btsh).total, true);
       report(1, 6, T, gb);
     }
     return 0;

@@ -120,8 +120,8 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // included, on the threads that hold them; the TF32 kernels, `ftf32` / `btf32`: their MMAs); L2 at
 // ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's h, under the products;
 // backward: the partials written under the products, read after the barrier), except for the TF32
-// backward, which reads every sample's gate gradients at an SM's intake of ~42 bytes a clock (BENCHMARKS.md,
-// twelfth session) under its MMAs; ~2,500 a direction for the cell and the barrier. The steps measure 2-2.5x
+// backward, whose blocks move ~70 KB each (its row groups: ~2,000 for the second barrier); ~2,500 a
+// direction for the cell and the barrier. The steps measure 2-2.5x
 // this (the shared-memory tiles' products run at ~45% of the FMA rate, the register kernels issue about
 // half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
@@ -138,8 +138,10 @@ double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int
   const double forward = ftf32   ? 8.0 * ftf32->mt * ftf32->ks * tiles
                          : fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0
                                  : products;
-  if (btf32)
-    return std::max(forward, l2) + 2500.0 + std::max(16.0 * btf32->kp * btf32->mt, bs * btf32->kx * 4.0 / 42.0) + 2500.0;
+  if (btf32)  // its MMAs (as the forward's) or its bytes at ~42 a clock, whichever bounds
+    return std::max(forward, l2) + 2500.0 +
+           std::max(8.0 * btf32->ntw * btf32->rows / 8.0 * 2.0, (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0 / 42.0) +
+           2000.0 + 2500.0;
   const double backward = regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
                                : products;
   return std::max(forward, l2) + 2500.0 + backward + l2 + 2500.0;
@@ -239,18 +241,18 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
     const bool fregs = fsh.nr > 0;
     if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
     if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
-    const GridTf32BwdShape btsh(G, H, hs, bs);
-    const bool btf32 = tf32 && few_pairs && btsh.kp > 0 && GridTf32BwdSmem(g, btsh).total <= optin;
+    const GridTf32BwdShape btsh(G, hs, nc, bs);
+    const bool btf32 = tf32 && few_pairs && btsh.ntw > 0 && GridTf32BwdSmem(g, G, btsh).total <= optin;
     const GridRegsShape sh(G, H, hs);
     const bool regs = few_pairs && !btf32 && sh.nr > 0;
-    const int64_t bwd = btf32  ? GridTf32BwdSmem(g, btsh).total
+    const int64_t bwd = btf32  ? GridTf32BwdSmem(g, G, btsh).total
                         : regs ? grid_regs_smem(g, sh).total
                                : GridBackwardSmem(g, G, wbytes, bt).total;
     if (bwd > optin) continue;
     const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
                      : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
                              : grid_forward_kernel(cell, w, bt);
-    const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.mt, btsh.kp)
+    const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw)
                      : regs ? grid_backward_regs_kernel(cell, sh.nr)
                             : grid_backward_kernel(cell, w, bt);
     prepare(fk, device, p.sharedMemPerBlockOptin);
@@ -283,11 +285,10 @@ const void* tf32_forward_kernel(const LayerPlan& plan, const Sizes& z) {
   return grid_forward_tf32_kernel(z.cell, sh.mt, sh.ks);
 }
 GridTf32BwdShape tf32_backward_shape(const LayerPlan& plan, const Sizes& z) {
-  return GridTf32BwdShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs, plan.bs);
+  return GridTf32BwdShape(num_gates(z.cell), plan.hs, plan.nc, plan.bs);
 }
 const void* tf32_backward_kernel(const LayerPlan& plan, const Sizes& z) {
-  const GridTf32BwdShape sh = tf32_backward_shape(plan, z);
-  return grid_backward_tf32_kernel(z.cell, sh.mt, sh.kp);
+  return grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).ntw);
 }
 
 template <typename Args>
@@ -453,14 +454,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
   at::Tensor xchg, arrivals;
   if (grid) {
-    // TF32: every unit's gate gradients, the padding rows zero; the register backward: owner-major
-    // partials of nc * ng sources.
+    // TF32: partials of P row groups and the row groups' gate gradients, zeroed, and a counter per row
+    // group and column; the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
-    xchg = plan.tf32_backward ? at::zeros({grid_tf32_exchange(g, plan.groups, tf32_backward_shape(plan, z))}, opts)
-                              : at::empty({plan.fused_backward ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
-                                                               : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
-                                          opts);
-    arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
+    if (plan.tf32_backward) {
+      const GridTf32BwdShape sh = tf32_backward_shape(plan, z);
+      xchg = at::zeros({grid_tf32_exchange(g, plan.groups, sh)}, opts);
+      arrivals = at::zeros({grid_tf32_counters(plan.groups, sh)}, opts.dtype(at::kInt));
+    } else {
+      xchg = at::empty({plan.fused_backward ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
+                                            : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
+                       opts);
+      arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
+    }
   }
   const at::Tensor order = samples_by_length(lengths, !grid && (plan.fused_backward || plan.scatter_backward));
   BackwardArgs a{geometry(plan, z, reverse),

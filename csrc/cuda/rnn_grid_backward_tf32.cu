@@ -4,6 +4,6 @@
 
 namespace vlseq::rnn {
 
-VLSEQ_RNN_GRID_TF32_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_BWD_CASES)
+VLSEQ_RNN_GRID_TF32_BWD_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel)
 
 }  // namespace vlseq::rnn

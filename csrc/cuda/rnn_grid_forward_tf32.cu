@@ -4,6 +4,6 @@
 
 namespace vlseq::rnn {
 
-VLSEQ_RNN_GRID_TF32_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel, VLSEQ_RNN_GRID_TF32_FWD_CASES)
+VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel)
 
 }  // namespace vlseq::rnn

@@ -747,7 +747,7 @@ __host__ __device__ inline GridOwnedSmem grid_regs_smem(const Geometry& g, const
   return GridOwnedSmem(g, g.bs, sh.ng * sh.nr, g.nc * sh.ng);
 }
 // Floats of their exchange buffer: two parities of every group's nc owners x bs samples x nsrc sources x hs.
-inline int64_t grid_owned_exchange(const Geometry& g, int groups, int nsrc) {
+__host__ __device__ inline int64_t grid_owned_exchange(const Geometry& g, int groups, int nsrc) {
   return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * nsrc * g.hs;
 }
 #if defined(__CUDACC__)

@@ -52,54 +52,50 @@ struct GridTf32FwdSmem {
   }
 };
 
-// The backward all-gathers the step's recurrent gate gradients instead of sending partial sums: the
-// cells write their units' (rounded to TF32) to the exchange buffer, rows k * Hp + j (Hp = H rounded up
-// to 4; padding rows zero), and every block multiplies all of them by its units' columns of W_hh,
-// dh^T (samples x units) = G^T W[:, units]: M the samples (mt = 1 or 2 m-tiles of 16: at most 32 samples
-// a group; with 4, W, the cells' state and the sums outgrew the registers), N the block's units (hs 4 or
-// 8: one n-tile), K the kx rows, split over the warps (kp pairs of k-steps each, W in registers as the
-// B fragments). A block then reads 4 * H floats a sample (512 KB a step at LSTM 1024 x 32, every
-// block the same data, at the SM's intake of ~42 bytes a clock) where the partials cost a write of
-// H floats a sample, their wait at the barrier and a gather of as many (BENCHMARKS.md: 7.5 K, 2.7 K and
-// 7.8 K clocks of a 22.6 K step).
+// The backward splits the product dh = W_hh^T g two ways. Blocks form row groups of kTf32RowGroup = Q
+// consecutive blocks (p = rank / Q) and columns (q = rank % Q). Block (p, q) multiplies the gate
+// gradients of its row group's units (G * Q * 8 rows, all-gathered within the row group) by W_hh's
+// columns of the units its column owns (P = ceil(nc / Q) owners of 8), and sends each owner its partial
+// sums, which the owner sums over the P row groups. A block then moves ~70 KB a step at LSTM 1024 x 32
+// (P = 16): 4 KB of gate gradients out, 32 KB in, 16 KB of partials out and 16 KB in, where sending
+// partials for all H units moved 256 KB (BENCHMARKS.md: 7.5 K clocks to write them, 2.7 K for their
+// wait at the barrier, 7.8 K to gather them, of a 22.6 K step) and all-gathering every gate gradient
+// 512 KB (L2-bound: the gather alone took 30 K clocks), at the price of a second barrier a step, within
+// the row group. MMAs: M = the samples (two m-tiles: at most 32 a group), N = owners (an n-tile of 8
+// units each: hs = 8; ntw of them a warp, warp w owners w + 8n), K = the row group's rows; W_hh in
+// registers as the B fragments, the gate gradients as A fragments from shared memory (ldmatrix).
+constexpr int kTf32RowGroup = 8;
 struct GridTf32BwdShape {
-  int mt = 0, kp = 0, kx = 0, ldg = 0;  // kp = 0: no kernel fits
-  __host__ __device__ GridTf32BwdShape(int G, int H, int hs, int bs) {
-    const int pairs = ceil_div(G * round_up(H, 4), kWarps * 16), m = ceil_div(bs, 16);
-    const int k = pairs <= 16 ? 16 : pairs <= 24 ? 24 : pairs <= 32 ? 32 : 0;
-    if (k == 0 || m > 2 || (hs != 4 && hs != 8)) return;
-    mt = m, kp = k, kx = kWarps * 16 * k, ldg = G * hs;
+  int ntw = 0, P = 0, rows = 0;  // ntw = 0: no kernel fits
+  __host__ __device__ GridTf32BwdShape(int G, int hs, int nc, int bs) {
+    const int P_ = ceil_div(nc, kTf32RowGroup), n = ceil_div(P_, kWarps);
+    if (hs != 8 || bs > 32 || n > 2) return;
+    ntw = n, P = P_, rows = G * kTf32RowGroup * hs;
   }
 };
-// Each warp streams its rows through a ring of kTf32Stages shared-memory buffers (cp.async, one chunk of
-// 64 / mt rows of every sample each: 4 KB at 16 * mt samples, each sample's row padded by 16 bytes),
-// kTf32Stages - 1 chunks in flight while it multiplies one. -DVLSEQ_RNN_TF32_STAGES=n for the probe's A/B.
-#ifndef VLSEQ_RNN_TF32_STAGES
-#define VLSEQ_RNN_TF32_STAGES 4
-#endif
-constexpr int kTf32Stages = VLSEQ_RNN_TF32_STAGES;
-// Its shared memory: the cells' gate gradients (bs x ldg), the warps' sums ([warp][16 * mt][8 units]),
-// the warps' rings, the lengths.
+// Its shared memory: the owner's (dg: the cells' gate gradients, red: sums, stage: the gathered
+// partials of P sources, lens), then the row group's gate gradients ([32][rows + 4]: the 16-byte
+// padding puts an ldmatrix block's 8 rows on distinct banks).
 struct GridTf32BwdSmem {
-  int dg, part, stage, lens, total;
-  __host__ __device__ GridTf32BwdSmem(const Geometry& g, const GridTf32BwdShape& sh) {
-    int off = 0;
-    dg = off, off += round_up(g.bs * sh.ldg * 4, 16);
-    part = off, off += kWarps * 16 * sh.mt * 8 * 4;
-    stage = off, off += kWarps * kTf32Stages * 16 * sh.mt * (64 / sh.mt + 4) * 4;
-    lens = off, off += round_up(g.bs * 4, 16);
-    total = off;
+  GridOwnedSmem own;
+  int gg, total;
+  __host__ __device__ GridTf32BwdSmem(const Geometry& g, int G, const GridTf32BwdShape& sh)
+      : own(g, g.bs, G * g.hs, sh.P) {
+    gg = own.total;
+    total = gg + 32 * (sh.rows + 4) * 4;
   }
 };
-// Floats of its exchange buffer (zeroed: the padding rows are never written): two parities of every
-// group's bs samples x kx rows.
+// Its exchange buffer (zeroed: sources and rows of blocks past nc are read, never written), in floats:
+// the owners' partials (owned_region, nsrc = P), then the row groups' gate gradients, [parity][group][p]
+// [bs][rows]; and its barriers' counters, [group][P rows, then Q columns].
 inline int64_t grid_tf32_exchange(const Geometry& g, int groups, const GridTf32BwdShape& sh) {
-  return 2 * static_cast<int64_t>(groups) * g.bs * sh.kx;
+  return grid_owned_exchange(g, groups, sh.P) + 2 * static_cast<int64_t>(groups) * sh.P * g.bs * sh.rows;
 }
+inline int grid_tf32_counters(int groups, const GridTf32BwdShape& sh) { return groups * (sh.P + kTf32RowGroup); }
 
 // The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);
-const void* grid_backward_tf32_kernel(Cell c, int mt, int kp);
+const void* grid_backward_tf32_kernel(Cell c, int ntw);
 
 #if defined(__CUDACC__)
 
@@ -236,117 +232,110 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
 #endif
 }
 
-template <Cell C, int MT, int KP>
+template <Cell C, int NTW>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // A chunk: CR rows of every sample (rows LDR floats apart: 16 bytes of padding put the 8 rows of an
-  // ldmatrix block on distinct banks), KC k-steps; NCH chunks a warp; KX rows of the exchange.
-  constexpr int G = C == Cell::kLSTM ? 4 : 3, NB = kTf32Stages, BSP = 16 * MT, CR = 64 / MT;
-  constexpr int LDR = CR + 4, KC = CR / 8, NCH = 2 * KP / KC, KX = kWarps * 16 * KP;
-  static_assert(NB >= 2 && (2 * KP) % KC == 0, "a ring of two buffers at least; whole chunks");
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, Q = kTf32RowGroup, ROWS = G * Q * 8, KS = ROWS / 8, LDR = ROWS + 4;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, Hp = round_up(H, 4), kw = 16 * KP, ldg = G * hs;
+  const int H = g.H, ldg = G * 8;
+  const GridTf32BwdShape sh(G, 8, g.nc, g.bs);
+  const int P = sh.P;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
+  const int p = blk.rank / Q, q = blk.rank % Q;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridTf32BwdSmem lay(g, GridTf32BwdShape(G, H, hs, g.bs));
-  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);      // [b][ldg]: gate k of unit j at k * hs + j
-  float* part_s = reinterpret_cast<float*>(smem + lay.part);  // [warp][b][8]
-  float* ring = reinterpret_cast<float*>(smem + lay.stage) + warp * NB * BSP * LDR;  // [buffer][b][LDR]
-  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const GridTf32BwdSmem lay(g, G, sh);
+  float* dg_s = reinterpret_cast<float*>(smem + lay.own.dg);  // [b][ldg]: gate k of unit j at k * 8 + j
+  float4* red_s = reinterpret_cast<float4*>(smem + lay.own.red);
+  float4* stage_s = reinterpret_cast<float4*>(smem + lay.own.stage);
+  int* lens = reinterpret_cast<int*>(smem + lay.own.lens);
+  float* gg_s = reinterpret_cast<float*>(smem + lay.gg);  // [b][LDR]: row k * Q * 8 + member * 8 + j
 
-  // B fragments: w[ks][i] = W_hh[row][unit j0 + gr] of exchange row warp * kw + 8 ks + t + 4i (k * Hp + j:
-  // W_hh's row k * H + j), slots t and t + 4 of k-step ks (the A fragments come in k's own order).
-  uint32_t w[2 * KP][2];
+  // B fragments: w[n][ks][i] = W_hh[row][unit] for the row group's row 8 ks + t + 4i (gate k, unit p * Q
+  // * 8 + u) and unit 8 o + gr of owner o = (warp + 8n) * Q + q (zero past H or nc).
+  uint32_t w[NTW][KS][2];
 #pragma unroll
-  for (int ks = 0; ks < 2 * KP; ++ks)
+  for (int n = 0; n < NTW; ++n) {
+    const int owner = (warp + kWarps * n) * Q + q, col = 8 * owner + gr;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = warp * kw + 8 * ks + t + 4 * i, k = r / Hp, j = r - k * Hp;
-      const bool real = k < G && j < H && gr < blk.hv;
-      w[ks][i] = tf32_bits(real ? a.w_hh[static_cast<int64_t>(k * H + j) * H + blk.j0 + gr] : 0.0f);
-    }
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = 8 * ks + t + 4 * i, k = r / (Q * 8), unit = p * Q * 8 + r % (Q * 8);
+        const bool real = owner < g.nc && col < H && unit < H;
+        w[n][ks][i] = tf32_bits(real ? a.w_hh[static_cast<int64_t>(k * H + unit) * H + col] : 0.0f);
+      }
+  }
   for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
-  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
+  unsigned* counters = a.arrivals + blk.group * (P + Q);
+  const unsigned row_size = min(Q, g.nc - p * Q), col_size = (g.nc - 1 - q) / Q + 1;
+  GroupBarrier row_bar{Sync::kGrid, counters + p, row_size, 0u};
+  GroupBarrier bar{Sync::kGrid, counters + P + q, col_size, 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  auto region = [&](int parity) {
-    return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * KX;
+  const float* gg_base = a.xchg + grid_owned_exchange(g, blk.groups, P);
+  auto row_group = [&](int parity) {  // this row group's gate gradients at a step of that parity
+    return const_cast<float*>(gg_base) + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * P + p) * g.bs * ROWS;
   };
-  // A chunk's copies: lanes 2s and 2s + 1 copy a 32-byte sector of sample s + 16 * (i / SC), sector i %
-  // SC (SC sectors a row), in copy i < 8; a lane's copies sit at two offsets from one address, in
-  // immediates for every chunk (one address per copy cost registers). Each lane also gives ldmatrix the
-  // row of its block (lane / 8: rows + 8, k + 4) in every k-step.
-  constexpr int SC = CR / 8;
-  float* const lane_ring = ring + (lane / 2) * LDR + 4 * (lane % 2);
-  const float* const lane_a = ring + (8 * ((lane / 8) & 1) + lane % 8) * LDR + 4 * (lane / 16);
-  // dh_t of the samples running at s_next: this warp's rows of every gate gradient of step s_next,
-  // streamed through the ring, times its columns of W; the warps' sums to part_s.
   auto gather = [&](int parity, int s_next) {
-    const unsigned run = __ballot_sync(0xffffffffu, lane < bv && s_next < lens[lane]);  // bit b: sample b runs
-    const unsigned mine = run >> (lane / 2);  // bit 16 n: sample lane / 2 + 16 n runs
-    const float* src = region(parity) + static_cast<int64_t>(lane / 2) * KX + warp * kw + 4 * (lane % 2);
-    auto issue = [&](int c) {  // chunk c into buffer c % NB: only the running samples' rows
-      if (c < NCH)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int n = i / SC, sc = i % SC;
-          if (n < MT && ((mine >> (16 * n)) & 1))
-            cp_async16(lane_ring + (c % NB) * BSP * LDR + 16 * n * LDR + 8 * sc, src + 16 * n * KX + c * CR + 8 * sc);
-        }
-      cp_async_commit();  // empty past the last chunk: the wait below counts groups
-    };
-    float acc[MT][2][4];  // two sums per m-tile (even and odd k-steps): twice the chains
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[m][e / 4][e % 4] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NB - 1; ++c) issue(c);
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      cp_async_wait<NB - 2>();  // chunk c has landed (this lane's copies)
-      __syncwarp();             // every lane's copies, to the whole warp; chunk c - 1's buffer is free
-      issue(c + NB - 1);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (((run >> (16 * m)) & 0xffffu) == 0) continue;
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-          const int ks = c * KC + kc;
-          uint32_t x[4];
-          ldsm_tf32_a(x, lane_a + (c % NB) * BSP * LDR + 16 * m * LDR + 8 * kc);
-          mma_tf32(acc[m][ks % 2], x[0], x[1], x[2], x[3], w[ks][0], w[ks][1]);
-        }
-      }
-    }
-    // C: samples 16m + gr (+ 8), units 2t and 2t + 1.
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      float* dst = part_s + (warp * BSP + 16 * m + gr) * 8 + 2 * t;
-      *reinterpret_cast<float2*>(dst) = make_float2(acc[m][0][0] + acc[m][1][0], acc[m][0][1] + acc[m][1][1]);
-      *reinterpret_cast<float2*>(dst + 64) = make_float2(acc[m][0][2] + acc[m][1][2], acc[m][0][3] + acc[m][1][3]);
-    }
-    __syncthreads();
+    gather_owned_partials(owned_region(a, blk, parity, blk.rank, P), lens, s_next, bv, P, g, stage_s, red_s);
   };
-  auto sum_of = [&](int b, int j) {  // the warps' sums in order: the same bits every run
-    float v = 0.0f;
-#pragma unroll
-    for (int q = 0; q < kWarps; ++q) v += part_s[(q * BSP + b) * 8 + j];
-    return v;
-  };
-  // This block's gate gradients of the samples running at s to the exchange buffer, a float4 of units a
-  // thread (the float4 that holds unit H - 1 also writes zeros into the rows' padding; none past it).
+  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * 8 + j]; };
+  // Lanes 8j .. 8j + 7 give ldmatrix the rows of block j (rows + 8, k + 4) in every k-step.
+  const float* const lane_a = gg_s + (8 * ((lane / 8) & 1) + lane % 8) * LDR + 4 * (lane / 16);
   auto products = [&](int cur, int s) {
-    float* dst = region(cur);
-    const int q4 = hs / 4, per = G * q4;
-    for (int e = tid; e < bv * per; e += kThreads) {
-      const int b = e / per, r = e - b * per, k = r / q4, q = r - k * q4;
-      if (s >= lens[b] || blk.j0 + 4 * q >= H) continue;
-      const float4 v = *reinterpret_cast<const float4*>(dg_s + b * ldg + k * hs + 4 * q);
-      __stcg(reinterpret_cast<float4*>(dst + static_cast<int64_t>(b) * KX + k * Hp + blk.j0 + 4 * q), v);
+    // This block's gate gradients of the samples running at s to its row group, a float4 a thread.
+    float* rg = row_group(cur);
+    for (int e = tid; e < bv * 2 * G; e += kThreads) {
+      const int b = e / (2 * G), r = e - b * 2 * G, k = r / 2, h = r - 2 * k;
+      if (s >= lens[b] || blk.j0 + 4 * h >= H) continue;
+      __stcg(reinterpret_cast<float4*>(rg + b * ROWS + k * Q * 8 + q * 8 + 4 * h),
+             *reinterpret_cast<const float4*>(dg_s + b * ldg + k * 8 + 4 * h));
+    }
+    row_bar.arrive();
+    row_bar.wait();
+    // The row group's, staged (only the running samples' rows: the others' products are not read).
+    for (int e = tid; e < bv * (ROWS / 4); e += kThreads) {
+      const int b = e / (ROWS / 4), c4 = e - b * (ROWS / 4);
+      if (s < lens[b]) cp_async16(gg_s + b * LDR + 4 * c4, rg + b * ROWS + 4 * c4);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const unsigned run = __ballot_sync(0xffffffffu, lane < bv && s < lens[lane]);  // bit b: sample b runs
+    float acc[2][NTW][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int n = 0; n < NTW; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        if (((run >> (16 * m)) & 0xffffu) == 0) continue;
+        uint32_t x[4];
+        ldsm_tf32_a(x, lane_a + 16 * m * LDR + 8 * ks);
+#pragma unroll
+        for (int n = 0; n < NTW; ++n) mma_tf32(acc[m][n], x[0], x[1], x[2], x[3], w[n][ks][0], w[n][ks][1]);
+      }
+    // C: samples 16m + gr (+ 8), units 2t and 2t + 1 of owner n's 8: to its region, source p (lanes t
+    // fill a 32-byte sector).
+#pragma unroll
+    for (int n = 0; n < NTW; ++n) {
+      const int owner = (warp + kWarps * n) * Q + q;
+      if (owner >= g.nc) continue;
+      float* region = owned_region(a, blk, cur, owner, P) + p * 8 + 2 * t;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int b = 16 * m + gr + 8 * h;
+          if (b < bv && s < lens[b])
+            __stcg(reinterpret_cast<float2*>(region + static_cast<int64_t>(b) * P * 8),
+                   make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]));
+        }
     }
   };
   // One (sample, unit) pair a thread: at most 32 samples of 8 units.
@@ -354,8 +343,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
 #endif
 }
 
-// The function NAME returning KERNEL for a cell and (m-tiles, k): the forward's (1 or 2; k-steps 8, 12 or
-// 16), the backward's (1 or 2; pairs of k-steps 16, 24 or 32).
+// The forward's kernel for a cell and (m-tiles, k-steps): 1 or 2; 8, 12 or 16.
+#define VLSEQ_RNN_GRID_TF32_FWD_TABLE(NAME, KERNEL)                                              \
+  const void* NAME(Cell c, int mt, int k) {                                                      \
+    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_TF32_FWD_CASES(KERNEL, Cell::kLSTM) }                 \
+    VLSEQ_RNN_GRID_TF32_FWD_CASES(KERNEL, Cell::kGRU)                                            \
+  }
 #define VLSEQ_RNN_GRID_TF32_FWD_CASES(KERNEL, CELL)                                    \
   if (mt == 1 && k == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 8>);   \
   if (mt == 1 && k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 12>); \
@@ -363,17 +356,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   if (k == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 8>);              \
   if (k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 12>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);
-#define VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, CELL)                                    \
-  if (mt == 1 && k == 16) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 16>); \
-  if (mt == 1 && k == 24) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 24>); \
-  if (mt == 1) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 32>);            \
-  if (k == 16) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);            \
-  if (k == 24) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 24>);            \
-  return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 32>);
-#define VLSEQ_RNN_GRID_TF32_TABLE(NAME, KERNEL, CASES) \
-  const void* NAME(Cell c, int mt, int k) {            \
-    if (c == Cell::kLSTM) { CASES(KERNEL, Cell::kLSTM) } \
-    CASES(KERNEL, Cell::kGRU)                          \
+// The backward's for a cell and owners a warp (1 or 2).
+#define VLSEQ_RNN_GRID_TF32_BWD_TABLE(NAME, KERNEL)                                               \
+  const void* NAME(Cell c, int ntw) {                                                             \
+    if (c == Cell::kLSTM) return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 1>) \
+                                          : reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 2>); \
+    return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 1>)                        \
+                    : reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 2>);                       \
   }
 
 #endif  // __CUDACC__
