@@ -348,12 +348,13 @@ TF32_OP_TOL = 2e-3
     ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, "forward and backward", 0),
     # the backward's second m-tile of samples: all of them ended after a few steps
     ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "forward and backward", 0),
-    # a last block with one unit, padding columns; 126 blocks: a last row group of 6
-    ("lstm", 1001, [30, 4, 17], True, "forward and backward", 0),
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22], False, "forward and backward", 0),  # 125 blocks
+    # 126 blocks of units rounded up to 128 (two hold none); the last one unit, padding columns
+    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "forward and backward", 0),
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "forward and backward", 0),  # 125 rounded up to 128
     # 64 blocks: 8 row groups, one owner a warp
     ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "forward and backward", 64),
-    # 40 samples a group: the TF32 backward holds at most 32, so the fp32 register backward runs it
+    # fewer than 8 or more than 32 samples a group: the fp32 register backward (126 blocks, 40 samples)
+    ("lstm", 1001, [30, 4, 17], True, "forward", 0),
     ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6, 30, 5, 11, 30] * 2, False, "forward", 0),
 ])
 def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions, max_blocks):

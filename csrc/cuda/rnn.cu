@@ -218,54 +218,61 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   bool found = false;
   for (int hs = 4; hs < Kp; hs += 4) {
-    const int nc = ceil_div(H, hs);
-    if (nc > sms) continue;
-    if (nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
+    const int units_nc = ceil_div(H, hs);
+    if (units_nc > sms) continue;
+    if (units_nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
     if (static_cast<int64_t>(round_up(G * hs, kGridRows)) * (Kp + 4) * wbytes > optin) break;  // grows with hs
-    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
-    if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
-    Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
-    int64_t fwd = 0;
-    for (int n = 1; n <= Kp / 16 && g.chunk == 0; ++n) {
-      g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
-      fwd = GridForwardSmem(g, G, wbytes, bt).total;
-      if (fwd > optin) g.chunk = 0;
-    }
-    if (g.chunk == 0) continue;
-    // Each direction with W_hh in registers where the block's rows fit them (fp32): in tf32 on the
-    // tensor cores where a kernel has the shape, else with FMAs.
-    const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32), tf32 = precision == Weights::kTF32;
-    const GridTf32FwdShape ftsh(G, H, hs);
-    const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
-    const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
-    const bool fregs = fsh.nr > 0;
-    if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
-    if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
-    const GridTf32BwdShape btsh(G, hs, nc, bs);
-    const bool btf32 = tf32 && few_pairs && btsh.ntw > 0 && GridTf32BwdSmem(g, G, btsh).total <= optin;
-    const GridRegsShape sh(G, H, hs);
-    const bool regs = few_pairs && !btf32 && sh.nr > 0;
-    const int64_t bwd = btf32  ? GridTf32BwdSmem(g, G, btsh).total
-                        : regs ? grid_regs_smem(g, sh).total
-                               : GridBackwardSmem(g, G, wbytes, bt).total;
-    if (bwd > optin) continue;
-    const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
-                     : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
-                             : grid_forward_kernel(cell, w, bt);
-    const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw)
-                     : regs ? grid_backward_regs_kernel(cell, sh.nr)
-                            : grid_backward_kernel(cell, w, bt);
-    prepare(fk, device, p.sharedMemPerBlockOptin);
-    prepare(bk, device, p.sharedMemPerBlockOptin);
-    const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
-    if (resident < groups) continue;
-    const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
-                                      ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
-    if (!best.plan.ok || clocks < best.clocks) {
-      best.clocks = clocks;
-      best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
-                            regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
-      found = true;
+    // The TF32 backward takes whole row groups of kTf32RowGroup blocks: a second plan rounds nc up to them
+    // (the blocks past H hold no units), taken only with that backward.
+    for (int pass = 0; pass < 2; ++pass) {
+      const int nc = pass == 0 ? units_nc : round_up(units_nc, kTf32RowGroup);
+      if (pass == 1 && (nc == units_nc || nc > sms || precision != Weights::kTF32)) continue;
+      const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
+      if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
+      Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
+      int64_t fwd = 0;
+      for (int n = 1; n <= Kp / 16 && g.chunk == 0; ++n) {
+        g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
+        fwd = GridForwardSmem(g, G, wbytes, bt).total;
+        if (fwd > optin) g.chunk = 0;
+      }
+      if (g.chunk == 0) continue;
+      // Each direction with W_hh in registers where the block's rows fit them (fp32): in tf32 on the
+      // tensor cores where a kernel has the shape, else with FMAs.
+      const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32), tf32 = precision == Weights::kTF32;
+      const GridTf32FwdShape ftsh(G, H, hs);
+      const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
+      const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
+      const bool fregs = fsh.nr > 0;
+      if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
+      if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
+      const GridTf32BwdShape btsh(G, hs, nc, bs);
+      const bool btf32 = tf32 && few_pairs && btsh.ntw > 0 && GridTf32BwdSmem(g, G, btsh).total <= optin;
+      if (nc != units_nc && !btf32) continue;
+      const GridRegsShape sh(G, H, hs);
+      const bool regs = few_pairs && !btf32 && sh.nr > 0;
+      const int64_t bwd = btf32  ? GridTf32BwdSmem(g, G, btsh).total
+                          : regs ? grid_regs_smem(g, sh).total
+                                 : GridBackwardSmem(g, G, wbytes, bt).total;
+      if (bwd > optin) continue;
+      const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
+                       : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
+                               : grid_forward_kernel(cell, w, bt);
+      const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw)
+                       : regs ? grid_backward_regs_kernel(cell, sh.nr)
+                              : grid_backward_kernel(cell, w, bt);
+      prepare(fk, device, p.sharedMemPerBlockOptin);
+      prepare(bk, device, p.sharedMemPerBlockOptin);
+      const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
+      if (resident < groups) continue;
+      const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
+                                        ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
+      if (!best.plan.ok || clocks < best.clocks) {
+        best.clocks = clocks;
+        best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
+                              regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
+        found = true;
+      }
     }
   }
   return found;

@@ -63,13 +63,17 @@ struct GridTf32FwdSmem {
 // 512 KB (L2-bound: the gather alone took 30 K clocks), at the price of a second barrier a step, within
 // the row group. MMAs: M = the samples (two m-tiles: at most 32 a group), N = owners (an n-tile of 8
 // units each: hs = 8; ntw of them a warp, warp w owners w + 8n), K = the row group's rows; W_hh in
-// registers as the B fragments, the gate gradients as A fragments from shared memory (ldmatrix).
-constexpr int kTf32RowGroup = 8;
+// registers as the B fragments, the gate gradients as A fragments from shared memory (ldmatrix). Every
+// (row group, column) pair needs its block, so nc is a multiple of Q (the planner rounds it up: blocks
+// past H hold no units). Its step costs ~9.9 K clocks + ~0.2 K a sample at LSTM 1024 on 128 blocks,
+// the fp32 register backward's ~5.9 K + ~0.7 K (BENCHMARKS.md, fourteenth session): it runs from 8
+// samples a group on.
+constexpr int kTf32RowGroup = 8, kTf32BwdMinSamples = 8;
 struct GridTf32BwdShape {
   int ntw = 0, P = 0, rows = 0;  // ntw = 0: no kernel fits
   __host__ __device__ GridTf32BwdShape(int G, int hs, int nc, int bs) {
-    const int P_ = ceil_div(nc, kTf32RowGroup), n = ceil_div(P_, kWarps);
-    if (hs != 8 || bs > 32 || n > 2) return;
+    const int P_ = nc / kTf32RowGroup, n = ceil_div(P_, kWarps);
+    if (hs != 8 || nc % kTf32RowGroup != 0 || bs < kTf32BwdMinSamples || bs > 32 || n > 2) return;
     ntw = n, P = P_, rows = G * kTf32RowGroup * hs;
   }
 };
@@ -85,7 +89,7 @@ struct GridTf32BwdSmem {
     total = gg + 32 * (sh.rows + 4) * 4;
   }
 };
-// Its exchange buffer (zeroed: sources and rows of blocks past nc are read, never written), in floats:
+// Its exchange buffer (zeroed: the rows of units past H are read, never written), in floats:
 // the owners' partials (owned_region, nsrc = P), then the row groups' gate gradients, [parity][group][p]
 // [bs][rows]; and its barriers' counters, [group][P rows, then Q columns].
 inline int64_t grid_tf32_exchange(const Geometry& g, int groups, const GridTf32BwdShape& sh) {
@@ -242,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   const int P = sh.P;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
-  const int p = blk.rank / Q, q = blk.rank % Q;
+  const int p = blk.rank / Q, q = blk.rank % Q;  // row group, column (nc = P * Q)
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridTf32BwdSmem lay(g, G, sh);
@@ -270,9 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
   unsigned* counters = a.arrivals + blk.group * (P + Q);
-  const unsigned row_size = min(Q, g.nc - p * Q), col_size = (g.nc - 1 - q) / Q + 1;
-  GroupBarrier row_bar{Sync::kGrid, counters + p, row_size, 0u};
-  GroupBarrier bar{Sync::kGrid, counters + P + q, col_size, 0u};
+  GroupBarrier row_bar{Sync::kGrid, counters + p, static_cast<unsigned>(Q), 0u};
+  GroupBarrier bar{Sync::kGrid, counters + P + q, static_cast<unsigned>(P), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
   const float* gg_base = a.xchg + grid_owned_exchange(g, blk.groups, P);
