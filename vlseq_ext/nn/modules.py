@@ -34,8 +34,8 @@ KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 #   0.65x of cuDNN's bf16 (twelfth session, run 5).
 # Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.96x at hidden 512 and 2.5x at 1024
 # for one sample, 2.9-11x on batches with per-sample lengths, which cuDNN runs packed, and LSTM 1024 at
-# batch 32 2.0x of cuDNN in fp32 and 1.9x in TF32 (where cuDNN runs TF32, so do ours; the forward alone
-# 2.0x of cuDNN's TF32 forward; thirteenth session, run 4).
+# batch 32 2.0x of cuDNN in fp32 and 2.3x in TF32 (where cuDNN runs TF32, so do ours; fourteenth
+# session, run 3).
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_CUDNN_GRID_SAMPLES = 16
 
