@@ -138,10 +138,13 @@ double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int
   const double forward = ftf32   ? 8.0 * ftf32->mt * ftf32->ks * tiles
                          : fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0
                                  : products;
-  if (btf32)  // its MMAs (as the forward's) or its bytes at ~42 a clock, whichever bounds
-    return std::max(forward, l2) + 2500.0 +
-           std::max(8.0 * btf32->ntw * btf32->rows / 8.0 * 2.0, (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0 / 42.0) +
-           2000.0 + 2500.0;
+  if (btf32) {  // a warp's MMAs (2 m-tiles x ntw owners x rows / 8 k-steps, ~8 clocks each as the
+                // forward's) or a block's bytes (its row group's gate gradients, partials out and in) at
+                // ~42 a clock, whichever bounds
+    const double mmas = 8.0 * 2.0 * btf32->ntw * btf32->rows / 8.0;
+    const double bytes = (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0;
+    return std::max(forward, l2) + 2500.0 + std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0;
+  }
   const double backward = regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
                                : products;
   return std::max(forward, l2) + 2500.0 + backward + l2 + 2500.0;

@@ -3,16 +3,16 @@
 // (forward) or the gate gradients (backward) rounded to TF32 where the cells write them as the other;
 // sums and state stay fp32. The cells and the barrier are the fp32 grid kernels' (rnn_grid_kernels.cuh:
 // grid_forward_steps, grid_backward_steps); the forward's exchange too (it all-gathers h), while the
-// backward all-gathers the gate gradients where the fp32 kernels reduce-scatter partial sums (below).
-// The fp32 register kernels' products took ~16 K clocks a step each way at LSTM 1024 x 32 (twice the
-// FMAs' issue time: shuffles, selects, bookkeeping); these take ~1 K of MMAs, so the step is left with
-// the exchange.
+// backward splits its product two ways (row groups and columns of blocks, below) where the fp32 kernels
+// send every unit's partial sums to its owner. The fp32 register kernels' products took ~16 K clocks a
+// step each way at LSTM 1024 x 32 (twice the FMAs' issue time: shuffles, selects, bookkeeping); these
+// take ~1 K of MMAs, so the step is left with the exchange.
 //
-// The k order inside an MMA is free (the sum is the same set of products), so k is permuted to let one
-// float4 load give a lane its operands of two k-steps: in the pair of k-steps p (16 values of k, c0 ..
+// The forward permutes k (the k order inside an MMA is free: the sum is the same set of products) to let
+// one float4 load give a lane its B operands of two k-steps: in the pair of k-steps p (16 columns, c0 ..
 // c0 + 15), lane (g = lane / 4, t = lane % 4) holds slots t and t + 4 of k-step 2p as c0 + 4t and c0 +
-// 4t + 1, and of k-step 2p + 1 as c0 + 4t + 2 and + 3: its operands from shared memory are the float4
-// at c0 + 4t of its sample's row.
+// 4t + 1, and of k-step 2p + 1 as c0 + 4t + 2 and + 3: its operands are the float4 at c0 + 4t of its
+// sample's h. The backward's A fragments come whole from ldmatrix, in k's own order.
 #pragma once
 
 #include "rnn_grid_kernels.cuh"
