@@ -366,6 +366,15 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions, max_block
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
 
 
+def test_op_grid_layout_tf32_in_two_groups(rand):
+    """The TF32 backward with two groups of blocks side by side (LSTM 512: 64 blocks a group, 32 samples
+    each): each group's row-group and column barriers, exchange and partials apart from the other's."""
+    lens = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 4
+    plan = ops.rnn_plan("lstm", 512, len(lens), "tf32", DEV, max_blocks=128)
+    assert plan.startswith("grid 64 blocks x 2 groups") and "TF32 products on the tensor cores (forward and backward)" in plan, plan
+    compare_ops_with_cpu(rand, "lstm", lens, 30, 512, False, weights="tf32", max_blocks=128, tol=TF32_OP_TOL)
+
+
 def test_tf32_modules_follow_cudnns_flag(rand):
     """vlseq_ext.nn runs "tf32" where cuDNN would (cudnn.allow_tf32) and exact fp32 where it would not: an
     LSTM 1024 on the grid layout, its outputs and gradients against float64."""
