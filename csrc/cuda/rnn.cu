@@ -218,6 +218,7 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
 bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
   const Weights w = stored_weights(precision);
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
+  const bool tf32 = precision == Weights::kTF32;
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   bool found = false;
   for (int hs = 4; hs < Kp; hs += 4) {
@@ -229,7 +230,7 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
     // (the blocks past H hold no units), taken only with that backward.
     for (int pass = 0; pass < 2; ++pass) {
       const int nc = pass == 0 ? units_nc : round_up(units_nc, kTf32RowGroup);
-      if (pass == 1 && (nc == units_nc || nc > sms || precision != Weights::kTF32)) continue;
+      if (pass == 1 && (nc == units_nc || nc > sms || !tf32)) continue;
       const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
       if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
       Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
@@ -242,7 +243,7 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       if (g.chunk == 0) continue;
       // Each direction with W_hh in registers where the block's rows fit them (fp32): in tf32 on the
       // tensor cores where a kernel has the shape, else with FMAs.
-      const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32), tf32 = precision == Weights::kTF32;
+      const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32);
       const GridTf32FwdShape ftsh(G, H, hs);
       const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
       const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);

@@ -278,9 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   GroupBarrier bar{Sync::kGrid, counters + P + q, static_cast<unsigned>(P), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  const float* gg_base = a.xchg + grid_owned_exchange(g, blk.groups, P);
+  float* const gg_base = a.xchg + grid_owned_exchange(g, blk.groups, P);
   auto row_group = [&](int parity) {  // this row group's gate gradients at a step of that parity
-    return const_cast<float*>(gg_base) + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * P + p) * g.bs * ROWS;
+    return gg_base + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * P + p) * g.bs * ROWS;
   };
   auto gather = [&](int parity, int s_next) {
     gather_owned_partials(owned_region(a, blk, parity, blk.rank, P), lens, s_next, bv, P, g, stage_s, red_s);
