@@ -82,38 +82,6 @@ __device__ __forceinline__ void sample_sums(const float (&v)[N * M], float (&out
   }
 }
 
-// The gate split of an LSTM's fused forward (samples with 4 lanes or more, after the sample levels of
-// sample_sums): levels bt and 2 * bt of the butterfly leave each lane one gate's total, gate (q / bt) % 4
-// (a reduce-scatter: 3 shuffles where the all-reduce takes 8), the levels above add it over the rest of
-// the sample's lanes. The lane then computes that gate's activation alone (tanh z as 2 sigmoid(2z) - 1:
-// one code path for the warp, ~2e-7 absolute as the sigmoids), so each lane computes one activation where
-// it computed four, and loads one input projection.
-__device__ __forceinline__ float split_gate_activation(const float (&part)[4], float x, float bias, int ks, int q,
-                                                       int bt) {
-  const bool b1 = (q & bt) != 0, b2 = (q & 2 * bt) != 0;
-  const float k0 = (b1 ? part[1] : part[0]) + __shfl_xor_sync(0xffffffffu, b1 ? part[0] : part[1], bt);
-  const float k1 = (b1 ? part[3] : part[2]) + __shfl_xor_sync(0xffffffffu, b1 ? part[2] : part[3], bt);
-  float total = (b2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, b2 ? k0 : k1, 2 * bt);
-  for (int o = 4 * bt; o < ks; o <<= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  const bool tanh_gate = !b1 && b2;  // gate 2
-  const float z = x + (total + bias);
-  const float sg = sigmoid(tanh_gate ? 2.0f * z : z);
-  return tanh_gate ? 2.0f * sg - 1.0f : sg;
-}
-// The LSTM cell on the gate split: lanes i and g swap activations (both then hold i * g), as do f and o;
-// then f and o take i * g from their partner at bit bt, so that both hold f, o and i * g and run the same
-// cell (the same bits). Every lane of the warp takes part in the shuffles; lanes i and g keep no state.
-__device__ __forceinline__ void split_lstm_cell(float a, int q, int bt, bool live, float& c, float& h) {
-  const bool b1 = (q & bt) != 0, b2 = (q & 2 * bt) != 0;
-  const float p = __shfl_xor_sync(0xffffffffu, a, 2 * bt);
-  const float f = b2 ? p : a, o = b2 ? a : p;                          // lanes f and o
-  const float ig = __shfl_xor_sync(0xffffffffu, b1 ? f : a * p, bt);  // lanes f and o: i * g
-  if (live && b1) {
-    c = fmaf(f, c, ig);
-    h = o * tanhf(c);
-  }
-}
-
 // The float4 of shared memory at p, or, kPredicated, zeros where !in_range: a predicated load, with no
 // branch that would keep the loads of a group of chunks from issuing together (a branch per chunk
 // measured ~60-90 clocks per chunk). Where every lane's chunks are in range (the common sizes) the
@@ -197,22 +165,18 @@ struct FusedThread {
   }
   // Sends N values of this lane's (sample, unit) to offset `at` (floats) of the exchange buffer of
   // parity `parity` (rows of `row` floats) in each of its destination blocks; a single block stores
-  // them once. Only lanes whose sample runs the step send (the mailbox counts exactly those bytes):
-  // `senders` of the sample's lanes, this one `sender`-th of them (by default all its ks / BT lanes),
-  // share the destinations.
+  // them once. Only lanes whose sample runs the step send (the mailbox counts exactly those bytes).
   template <int N>  // 1 or 4
-  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N], int sender = -1,
-                                       int senders = 0) const {
-    if (sender < 0) sender = q / BT, senders = ks / BT;
+  __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
     float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
-      if (sender == 0)
+      if (q < BT)
 #pragma unroll
         for (int i = 0; i < N; ++i) to_local[i] = v[i];
       return;
     }
     const uint32_t to = smem_u32(to_local);
-    for (int d = sender; d < nc; d += senders) {
+    for (int d = q / BT; d < nc; d += ks / BT) {
       if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
       else
@@ -254,18 +218,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       w[q][m] = make_float4(e[0], e[1], e[2], e[3]);
     }
   }
-  // An LSTM whose samples have 4 lanes or more splits its gates (header comment): lane q's gate is
-  // (q / BT) % 4; the lanes of gates f and o (`owner`) hold the state, q / BT == 1 writes the outputs.
-  const bool split = C == Cell::kLSTM && ln.ks >= 4 * BT;
-  const int gate = split ? (ln.q / BT) % 4 : 0;
-  const bool owner = split ? ln.mine && gate % 2 == 1 : ln.mine;
-  const bool writer = split ? ln.mine && ln.q / BT == 1 : ln.writer;
-  const bool gate_lane = split ? ln.mine && ln.q / BT < 4 : ln.writer;  // writes (split: its gate of) saved
-  // The state of this lane's (sample, unit) and its bias (split: its gate's).
+  // The state of this lane's (sample, unit) and its bias.
   float h = 0.0f, c = 0.0f, bias[G];
 #pragma unroll
-  for (int q = 0; q < G; ++q)
-    bias[q] = ln.mine && a.b_hh ? a.b_hh[(split ? gate : q) * H + unit] : 0.0f;
+  for (int q = 0; q < G; ++q) bias[q] = ln.mine && a.b_hh ? a.b_hh[q * H + unit] : 0.0f;
   if (ln.mine) {
     h = a.h0[sample * H + unit];
     if constexpr (C == Cell::kLSTM) c = a.c0[sample * H + unit];
@@ -276,28 +232,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   if (ln.cluster && ln.idle_warp) return;
 
-  // Offsets of this lane's (sample, unit) at its first step, moved a row a step (no address arithmetic
-  // from the sample and step on every step's path): `at` into y, saved and cs, `xat` into the input
-  // projections (split: of its gate), a step ahead.
-  const int64_t first = sample * T + (g.reverse ? len - 1 : 0), dir = g.reverse ? -1 : 1;
-  int64_t at = first * H + unit, xat = first * GH + unit + gate * H;
-  // This lane's input projections (split: one), loaded a step ahead (their latency hides behind the
-  // exchange).
+  // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
+  const float* xrow = a.xproj + (sample * T) * GH + unit;
   float xnext[G];
-  auto prefetch = [&](int s) {  // s: the step xat points at
+  auto time_of = [&](int s) -> int64_t { return g.reverse ? len - 1 - s : s; };
+  auto prefetch = [&](int s) {
     if (!ln.mine || s >= len) return;
-    const float* xp = a.xproj + xat;
-    xat += dir * GH;
-    if (split) {
-      xnext[0] = __ldg(xp);
-      if (gate_lane && s + 1 < len) prefetch_l2(xp + dir * GH);
-      return;
-    }
 #pragma unroll
-    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xp + q * H);
+    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + time_of(s) * GH + q * H);
     if (ln.writer && s + 1 < len)
 #pragma unroll
-      for (int q = 0; q < G; ++q) prefetch_l2(xp + dir * GH + q * H);
+      for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
   };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
@@ -341,41 +286,24 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       else
         products(std::true_type{});
     }
+    float gh[G];
+    sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
+    VLSEQ_MARK(0, 1, s);
     const bool live = ln.mine && s < len;
     float out[4];
-    if (split) {
-      if constexpr (C == Cell::kLSTM) {
-        float part[G];
-        sample_sums<G, BT>(acc, part, BT, ln.q);  // the lane's sample only: its lanes each hold a share
-        const float a_own = split_gate_activation(part, x[0], bias[0], ln.ks, ln.q, BT);
-        VLSEQ_MARK(0, 1, s);
-        split_lstm_cell(a_own, ln.q, BT, live, c, h);
-        if (live && owner) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h}, ln.q / BT / 2, ln.ks / BT / 2);
-        out[0] = a_own;
-      }
-    } else {
-      float gh[G];
-      sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
-      VLSEQ_MARK(0, 1, s);
-      if (live) {
-#pragma unroll
-        for (int q = 0; q < G; ++q) gh[q] += bias[q];
-        forward_cell<C>(x, gh, h, c, out);
-      }
-      if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
-    }
-    VLSEQ_MARK(0, 2, s);
     if (live) {
-      if (writer) {
-        a.y[at] = h;
-        if constexpr (C == Cell::kLSTM) a.cs[at] = c;
-      }
-      if (split && gate_lane)
-        a.saved[at * 4 + gate] = out[0];
-      else if (!split && writer)
-        reinterpret_cast<float4*>(a.saved)[at] = make_float4(out[0], out[1], out[2], out[3]);
+#pragma unroll
+      for (int q = 0; q < G; ++q) gh[q] += bias[q];
+      forward_cell<C>(x, gh, h, c, out);
     }
-    at += dir * H;
+    if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
+    VLSEQ_MARK(0, 2, s);
+    if (ln.writer && live) {
+      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
+      a.y[row * H + unit] = h;
+      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
+      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
+    }
     prefetch(s + 1);
     VLSEQ_MARK(0, 3, s);
     if (ln.cluster)
@@ -383,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     else
       bar.wait();
   }
-  if (writer) {
+  if (ln.writer) {
     a.h_n[sample * H + unit] = h;
     if constexpr (C == Cell::kLSTM) a.c_n[sample * H + unit] = c;
   }
