@@ -232,39 +232,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   if (ln.cluster && ln.idle_warp) return;
 
-  // Offsets of this lane's (sample, unit) row, moved a row a step (no address arithmetic from the sample
-  // and the step on each step's path): `at` into y, saved and cs at the step whose outputs are pending,
-  // `xat` into the input projections at the step prefetch loads next.
-  const int64_t first = sample * T + (g.reverse ? len - 1 : 0), dir = g.reverse ? -1 : 1;
-  int64_t at = first * H + unit, xat = first * GH + unit;
-  // This lane's input projections, loaded a step ahead: step s + 1's are asked for during step s (where:
-  // under_products below), with L2 asked for step s + 2's.
+  // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
+  const float* xrow = a.xproj + (sample * T) * GH + unit;
   float xnext[G];
-  auto prefetch = [&](int s) {  // s: the step xat points at
+  auto time_of = [&](int s) -> int64_t { return g.reverse ? len - 1 - s : s; };
+  auto prefetch = [&](int s) {
     if (!ln.mine || s >= len) return;
-    const float* xp = a.xproj + xat;
-    xat += dir * GH;
 #pragma unroll
-    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xp + q * H);
+    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + time_of(s) * GH + q * H);
     if (ln.writer && s + 1 < len)
 #pragma unroll
-      for (int q = 0; q < G; ++q) prefetch_l2(xp + dir * GH + q * H);
-  };
-  // Where a step's outputs and the next input loads go: in a cluster, after the sends (they run while
-  // the peers' sends are on their way); in a single block, under the next step's products, as there
-  // they would hold up the warps' arrival at the __syncthreads (h64, one block: forward step 1,435 ->
-  // 1,138 clocks; in a cluster it measured slower, 1,491 -> 1,534). `pending`: the writer's outputs of
-  // the step before, not yet stored.
-  const bool under_products = !ln.cluster;
-  bool pending = false;
-  float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto store_pending = [&]() {
-    if (!pending) return;
-    a.y[at] = h;
-    reinterpret_cast<float4*>(a.saved)[at] = make_float4(out[0], out[1], out[2], out[3]);
-    if constexpr (C == Cell::kLSTM) a.cs[at] = c;
-    at += dir * H;
-    pending = false;
+      for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
   };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
@@ -286,25 +264,18 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       const float* v = h_s + cur * hbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        if (b > 0 && b >= nact) break;  // slot 0 runs every step
+        if (b >= nact) break;
         const float* src = v + b * Kp;
-        float4 hv[kFusedChunks];
 #pragma unroll
-        for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
-          hv[m] = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
-        if (b == 0 && under_products) {  // the work nobody on this step's path waits for
-          store_pending();
-          prefetch(s + 1);
-        }
-#pragma unroll
-        for (int m = 0; m < kFusedChunks; ++m) {
+        for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks) {
+          const float4 hv = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
 #pragma unroll
           for (int q = 0; q < G; ++q) {
             float& sum = acc[q * BT + b];
-            sum = fmaf(w[q][m].x, hv[m].x, sum);
-            sum = fmaf(w[q][m].y, hv[m].y, sum);
-            sum = fmaf(w[q][m].z, hv[m].z, sum);
-            sum = fmaf(w[q][m].w, hv[m].w, sum);
+            sum = fmaf(w[q][m].x, hv.x, sum);
+            sum = fmaf(w[q][m].y, hv.y, sum);
+            sum = fmaf(w[q][m].z, hv.z, sum);
+            sum = fmaf(w[q][m].w, hv.w, sum);
           }
         }
       }
@@ -319,25 +290,27 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
     VLSEQ_MARK(0, 1, s);
     const bool live = ln.mine && s < len;
+    float out[4];
     if (live) {
 #pragma unroll
       for (int q = 0; q < G; ++q) gh[q] += bias[q];
       forward_cell<C>(x, gh, h, c, out);
     }
     if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
-    pending = ln.writer && live;
     VLSEQ_MARK(0, 2, s);
-    if (!under_products) {
-      store_pending();
-      prefetch(s + 1);
+    if (ln.writer && live) {
+      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
+      a.y[row * H + unit] = h;
+      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
+      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
     }
+    prefetch(s + 1);
     VLSEQ_MARK(0, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur ^ 1, (s >> 1) & 1);
     else
       bar.wait();
   }
-  store_pending();
   if (ln.writer) {
     a.h_n[sample * H + unit] = h;
     if constexpr (C == Cell::kLSTM) a.c_n[sample * H + unit] = c;
@@ -463,25 +436,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
   if (ln.cluster && ln.idle_warp) return;
 
-  // What a step reads, loaded a step ahead: step s - 1's fields are asked for during step s (where:
-  // under_products below), with L2 asked for step s - 2's.
   float pnext[F];
   auto prefetch = [&](int s) {
     if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
     if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
-  };
-  // A step's gate gradients and the next step's loads go where the forward's do (in a single block,
-  // under the step before's products: h64 backward step 1,835 -> 1,740 clocks; in a cluster 1,366 ->
-  // 1,626): `pending`, the writer's of the step after, not yet stored, at row pending_row.
-  const bool under_products = !ln.cluster;
-  bool pending = false;
-  int64_t pending_row = 0;
-  float rg[4];  // a step's recurrent gate gradients (zero where the sample has not started; GRU: 3)
-  float dn = 0.0f;
-  auto store_pending = [&]() {
-    if (!pending) return;
-    store_gate_grads<C>(a, pending_row, unit, rg, dn);
-    pending = false;
   };
   prefetch(smax - 1);
   const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range
@@ -507,27 +465,18 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       const float* v = g_s + (cur ^ 1) * gbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        // Slot 0 is multiplied even before its last step (nafter = 0): its rows are still zero, and
-        // its dh is then dh_last; so the first sample's products hold the step's other work.
-        if (b > 0 && b >= nafter) break;
+        if (b >= nafter) break;
         const float* src = v + b * Kb;
 #pragma unroll
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
           if (kPredicated && m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
-          float4 gv[kFusedChunks];
 #pragma unroll
-          for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
-            gv[m] = chunk<kPredicated>(src, ln.q + (m0 + m) * ln.ks < k4n);
-          if (b == 0 && m0 == 0 && under_products) {  // the work nobody on this step's path waits for
-            store_pending();
-            prefetch(s - 1);
-          }
-#pragma unroll
-          for (int m = 0; m < kFusedChunks; ++m) {
-            acc[b] = fmaf(w[m0 + m].x, gv[m].x, acc[b]);
-            acc[BT + b] = fmaf(w[m0 + m].y, gv[m].y, acc[BT + b]);
-            acc[2 * BT + b] = fmaf(w[m0 + m].z, gv[m].z, acc[2 * BT + b]);
-            acc[3 * BT + b] = fmaf(w[m0 + m].w, gv[m].w, acc[3 * BT + b]);
+          for (int m = m0; m < m0 + kFusedChunks; ++m, src += 4 * ln.ks) {
+            const float4 gv = chunk<kPredicated>(src, ln.q + m * ln.ks < k4n);
+            acc[b] = fmaf(w[m].x, gv.x, acc[b]);
+            acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
+            acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
+            acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
           }
         }
       }
@@ -553,20 +502,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       break;
     }
     const bool live = ln.mine && s < len;
-    dn = 0.0f;
+    float rg[4];  // this step's recurrent gate gradients (zero where the sample has not started; GRU: 3)
+    float dn = 0.0f;
 #pragma unroll
     for (int q = 0; q < 4; ++q) rg[q] = 0.0f;
     if (live) {
       backward_cell<C>(p, dh, dc, ddir, rg, dn);
       ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     }
-    pending = ln.writer && live;
-    pending_row = sample * T + (g.reverse ? len - 1 - s : s);
     VLSEQ_MARK(1, 2, s);
-    if (!under_products) {
-      store_pending();
-      prefetch(s - 1);
-    }
+    if (ln.writer && live) store_gate_grads<C>(a, sample * T + (g.reverse ? len - 1 - s : s), unit, rg, dn);
+    prefetch(s - 1);
     VLSEQ_MARK(1, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
