@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   for (bool f : {false, true}) {
     if (f && !fused) continue;
     if (f) printf(" fused:\n");
-    launch(forward_kernel(cell, wt, bt, f), fa, blocks, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
+    launch(forward_kernel(cell, wt, bt, f, nc == 1), fa, blocks, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
     report(0, f ? 4 : 7, T, f ? fused_names : fnames);
   }
   float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
   for (bool f : {false, true}) {
     if (f && !fused) continue;
     if (f) printf(" fused:\n");
-    launch(backward_kernel(cell, wt, bt, f), ba, blocks, nc,
+    launch(backward_kernel(cell, wt, bt, f, nc == 1), ba, blocks, nc,
            f ? FusedSmem(g, Kb, bt).total : BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
     report(1, f ? 4 : 6, T, f ? fused_names : bnames);
   }

@@ -188,8 +188,8 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
       const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
       const int64_t bwd = sb ? ScatterSmem(g, bt).total : fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
       if (std::max(fwd, bwd) > optin) continue;
-      const void* fk = forward_kernel(cell, w, bt, ff);
-      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb);
+      const void* fk = forward_kernel(cell, w, bt, ff, sync == Sync::kLocal);
+      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb, sync == Sync::kLocal);
       prepare(fk, device, p.sharedMemPerBlockOptin);
       prepare(bk, device, p.sharedMemPerBlockOptin);
       const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
@@ -416,7 +416,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor c_n = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
   at::Tensor saved = at::empty({z.B, z.T, 4 * z.H}, opts);  // defined within each sample's length
   at::Tensor cs = lstm ? at::empty({z.B, z.T, z.H}, opts) : at::empty({0}, opts);
-  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid), local = plan.sync == static_cast<int>(Sync::kLocal);
   at::Tensor xchg, arrivals;
   if (grid) {
     // Rows of round_up(H, 4) for 16-byte copies; the padding stays zero (nobody writes it).
@@ -443,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   launch(plan.tf32_forward ? tf32_forward_kernel(plan, z)
          : grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
-                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward),
+                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward, local),
          a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
@@ -462,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor dgates_hn = lstm ? at::empty({0}, opts) : at::zeros({z.B, z.T, z.H}, opts);
   at::Tensor dh0 = at::empty({z.B, z.H}, opts);
   at::Tensor dc0 = lstm ? at::empty({z.B, z.H}, opts) : at::empty({0}, opts);
-  const bool grid = plan.sync == static_cast<int>(Sync::kGrid);
+  const bool grid = plan.sync == static_cast<int>(Sync::kGrid), local = plan.sync == static_cast<int>(Sync::kLocal);
   at::Tensor xchg, arrivals;
   if (grid) {
     // TF32: partials of P row groups and the row groups' gate gradients, zeroed, and a counter per row
@@ -503,7 +503,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
          : grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
          : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
          : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
-                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward),
+                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward, local),
          a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};

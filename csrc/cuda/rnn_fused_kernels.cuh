@@ -185,7 +185,9 @@ struct FusedThread {
   }
 };
 
-template <Cell C, int BT>
+// kLocal: the single-block layout (Sync::kLocal), whose step's outputs and next loads issue under the
+// next step's products (below).
+template <Cell C, bool kLocal, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -244,6 +246,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
 #pragma unroll
       for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
   };
+  // Where a step's output stores and the next step's input loads issue. In a cluster: after the sends,
+  // while the peers' sends are on their way. In a single block they would hold up the warps' arrival at
+  // the __syncthreads, so there they issue under the next step's products (`pending`: the writer's
+  // outputs of the step before, not yet stored). h64, one block: forward step 1,435 -> 1,138 clocks; in
+  // a cluster the same placement measured slower (BENCHMARKS.md, fifteenth session).
+  bool pending = false;
+  int64_t pending_row = 0;
+  float pending_out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto store_outputs = [&](int64_t row, const float (&out)[4]) {
+    a.y[row * H + unit] = h;
+    reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
+    if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
+  };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
   for (int s = 0; s < smax; ++s) {
@@ -264,11 +279,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       const float* v = h_s + cur * hbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        if (b >= nact) break;
+        if ((!kLocal || b > 0) && b >= nact) break;  // slot 0 runs every step
         const float* src = v + b * Kp;
-#pragma unroll
-        for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks) {
-          const float4 hv = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
+        auto multiply = [&](int m, const float4& hv) {
 #pragma unroll
           for (int q = 0; q < G; ++q) {
             float& sum = acc[q * BT + b];
@@ -277,6 +290,23 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
             sum = fmaf(w[q][m].z, hv.z, sum);
             sum = fmaf(w[q][m].w, hv.w, sum);
           }
+        };
+        if constexpr (kLocal) {  // the sample's chunks loaded, then (b = 0) the work nobody on this step's path waits for
+          float4 hv[kFusedChunks];
+#pragma unroll
+          for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
+            hv[m] = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
+          if (b == 0) {
+            if (pending) store_outputs(pending_row, pending_out);
+            pending = false;
+            prefetch(s + 1);
+          }
+#pragma unroll
+          for (int m = 0; m < kFusedChunks; ++m) multiply(m, hv[m]);
+        } else {
+#pragma unroll
+          for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
+            multiply(m, chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n));
         }
       }
     };
@@ -298,19 +328,21 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     }
     if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);
-    if (ln.writer && live) {
-      const int64_t row = sample * T + (g.reverse ? len - 1 - s : s);
-      a.y[row * H + unit] = h;
-      reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
-      if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
+    if constexpr (kLocal) {
+      pending = ln.writer && live, pending_row = sample * T + time_of(s);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pending_out[q] = out[q];
+    } else {
+      if (ln.writer && live) store_outputs(sample * T + time_of(s), out);
+      prefetch(s + 1);
     }
-    prefetch(s + 1);
     VLSEQ_MARK(0, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur ^ 1, (s >> 1) & 1);
     else
       bar.wait();
   }
+  if (pending) store_outputs(pending_row, pending_out);
   if (ln.writer) {
     a.h_n[sample * H + unit] = h;
     if constexpr (C == Cell::kLSTM) a.c_n[sample * H + unit] = c;
@@ -395,7 +427,7 @@ __device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t 
   }
 }
 
-template <Cell C, int BT>
+template <Cell C, bool kLocal, int BT>  // kLocal: as the forward's
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
@@ -441,6 +473,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
     if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
   };
+  // A step's gate gradients and the next step's loads issue where the forward's do (in a single block,
+  // under the step before's products: h64 backward step 1,835 -> 1,740 clocks). `pending`: the writer's
+  // of the step after, not yet stored.
+  bool pending = false;
+  int64_t pending_row = 0;
+  float pending_rg[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pending_dn = 0.0f;
   prefetch(smax - 1);
   const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range
   // Steps smax-1 .. 0, then s = -1: only the products, for dh0.
@@ -465,18 +503,35 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       const float* v = g_s + (cur ^ 1) * gbuf + 4 * ln.q;
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
-        if (b >= nafter) break;
+        // A single block multiplies slot 0 even before its last step (nafter = 0: its rows are still
+        // zero, and its dh is then dh_last), so that the first sample's products hold the step's other work.
+        if ((!kLocal || b > 0) && b >= nafter) break;
         const float* src = v + b * Kb;
 #pragma unroll
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
           if (kPredicated && m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
-#pragma unroll
-          for (int m = m0; m < m0 + kFusedChunks; ++m, src += 4 * ln.ks) {
-            const float4 gv = chunk<kPredicated>(src, ln.q + m * ln.ks < k4n);
+          auto multiply = [&](int m, const float4& gv) {
             acc[b] = fmaf(w[m].x, gv.x, acc[b]);
             acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
             acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
             acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
+          };
+          if constexpr (kLocal) {  // as the forward's
+            float4 gv[kFusedChunks];
+#pragma unroll
+            for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
+              gv[m] = chunk<kPredicated>(src, ln.q + (m0 + m) * ln.ks < k4n);
+            if (b == 0 && m0 == 0) {
+              if (pending) store_gate_grads<C>(a, pending_row, unit, pending_rg, pending_dn);
+              pending = false;
+              prefetch(s - 1);
+            }
+#pragma unroll
+            for (int m = 0; m < kFusedChunks; ++m) multiply(m0 + m, gv[m]);
+          } else {
+#pragma unroll
+            for (int m = m0; m < m0 + kFusedChunks; ++m, src += 4 * ln.ks)
+              multiply(m, chunk<kPredicated>(src, ln.q + m * ln.ks < k4n));
           }
         }
       }
@@ -511,8 +566,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       ln.template send<4>(cur, Kb, ln.jb * Kb + unit * 4, rg);
     }
     VLSEQ_MARK(1, 2, s);
-    if (ln.writer && live) store_gate_grads<C>(a, sample * T + (g.reverse ? len - 1 - s : s), unit, rg, dn);
-    prefetch(s - 1);
+    if constexpr (kLocal) {  // stored under the next step's products (s = -1's too)
+      pending = ln.writer && live, pending_row = sample * T + (g.reverse ? len - 1 - s : s), pending_dn = dn;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pending_rg[q] = rg[q];
+    } else {
+      if (ln.writer && live) store_gate_grads<C>(a, sample * T + (g.reverse ? len - 1 - s : s), unit, rg, dn);
+      prefetch(s - 1);
+    }
     VLSEQ_MARK(1, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
@@ -532,10 +593,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     default: return (const void*)KERNEL<__VA_ARGS__, 8>;  \
   }
 #define VLSEQ_RNN_KERNEL_TABLE(NAME, GENERIC, FUSED)                                  \
-  const void* NAME(Cell c, Weights w, int bt, bool fused) {                           \
+  const void* NAME(Cell c, Weights w, int bt, bool fused, bool local) {               \
     const bool lstm = c == Cell::kLSTM;                                               \
-    if (fused && lstm) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM)                        \
-    if (fused) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kGRU)                                 \
+    if (fused && lstm && local) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM, true)         \
+    if (fused && lstm) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM, false)                 \
+    if (fused && local) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kGRU, true)                  \
+    if (fused) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kGRU, false)                          \
     if (w == Weights::kFP32 && lstm) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kLSTM, float) \
     if (w == Weights::kFP32) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kGRU, float)          \
     if (lstm) VLSEQ_RNN_BT_SWITCH(GENERIC, Cell::kLSTM, __nv_bfloat16)                \

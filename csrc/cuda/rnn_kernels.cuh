@@ -220,9 +220,10 @@ struct ScatterSmem {
 
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
 // (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `fused`: the fused
-// kernel (fp32; fits_fused says when it applies), else the generic one.
-const void* forward_kernel(Cell c, Weights w, int bt, bool fused);
-const void* backward_kernel(Cell c, Weights w, int bt, bool fused);
+// kernel (fp32; fits_fused says when it applies), else the generic one; `local`: the fused kernel's
+// single-block form (Sync::kLocal).
+const void* forward_kernel(Cell c, Weights w, int bt, bool fused, bool local);
+const void* backward_kernel(Cell c, Weights w, int bt, bool fused, bool local);
 const void* backward_scatter_kernel(Cell c, int bt);  // rnn_backward_scatter.cu (fp32)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
