@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   // Where a step's output stores and the next step's input loads issue. In a cluster: after the sends,
   // while the peers' sends are on their way. In a single block they would hold up the warps' arrival at
   // the __syncthreads, so there they issue under the next step's products (`pending`: the writer's
-  // outputs of the step before, not yet stored). h64, one block: forward step 1,435 -> 1,138 clocks; in
+  // outputs of the step before, not yet stored). h64, one block: forward step 1,435 -> 1,333 clocks; in
   // a cluster the same placement measured slower (BENCHMARKS.md, fifteenth session).
   bool pending = false;
   int64_t pending_row = 0;
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
   };
   // A step's gate gradients and the next step's loads issue where the forward's do (in a single block,
-  // under the step before's products: h64 backward step 1,835 -> 1,740 clocks). `pending`: the writer's
+  // under the step before's products: h64 backward step 1,835 -> 1,721 clocks). `pending`: the writer's
   // of the step after, not yet stored.
   bool pending = false;
   int64_t pending_row = 0;
