@@ -205,11 +205,15 @@ def test_a_damaged_zip_directory_entry_is_refused(trained, tmp_path, damage, mat
 OLD = Path(__file__).parent / "data" / "checkpoint-0.2.0"
 
 
-def test_a_checkpoint_of_version_0_2_0_resumes_exactly(tmp_path, capsys, monkeypatch):
+def test_a_checkpoint_of_version_0_2_0_resumes_where_it_stopped(tmp_path, capsys, monkeypatch):
     """tests/data/checkpoint-0.2.0: step 3 of `vlseq-train --devices cpu:2 --hidden 4 --synthetic-samples 24
     --val-fraction 0.25 --deterministic`, written by vlseq_ext 0.2.0 (commit 1ddcab8), and the metrics of
     the same run straight to step 12 (straight.jsonl, the same version). Resumed by this version, it
-    repeats that run's steps 4-12, across the epoch end, bit for bit; load_model reads it too."""
+    repeats steps 4-12, across the epoch end: the same steps, epochs and sample counts, and the losses and
+    gradient norms within float32 rounding of the recorded run. Not bit for bit: the recorded run's CPU
+    rounds Adam's vectorized update differently from some others (an AMD EPYC with AVX-512 makes step 3's
+    weights one ulp apart from the checkpoint's, with the same optimizer state), so only a resume on the
+    machine that ran the first steps repeats them exactly (test_cli, test_loop). load_model reads it too."""
     import json
     import shutil
 
@@ -221,13 +225,18 @@ def test_a_checkpoint_of_version_0_2_0_resumes_exactly(tmp_path, capsys, monkeyp
     rc = cli.main(["--resume", "oldrun", "--max-steps", "12"])
     err = capsys.readouterr().err
     assert rc == 0 and "resuming at step 3 (epoch 1, batch 3)" in err, err
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    expected = [json.loads(line) for line in (OLD / "straight.jsonl").read_text().splitlines()]
     keys = {"step": ("step", "epoch", "loss", "grad_norm", "samples"), "epoch": ("step", "train_loss", "val_loss"),
             "val": ("step", "val_loss")}
-    got = [(r["type"], [r[k] for k in keys[r["type"]]]) for r in records]
-    want = [(r["type"], [r[k] for k in keys[r["type"]]]) for r in expected if r["step"] > 3]
-    assert got == want
+
+    def metrics(path):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        return [(r["type"], [r[k] for k in keys[r["type"]]]) for r in records if r["step"] > 3]
+
+    got, recorded = metrics(run_dir / "metrics.jsonl"), metrics(OLD / "straight.jsonl")
+    assert [(t, [v for v in vals if isinstance(v, int)]) for t, vals in got] == \
+        [(t, [v for v in vals if isinstance(v, int)]) for t, vals in recorded]
+    for (_, vals), (_, want) in zip(got, recorded):
+        assert vals == pytest.approx(want, rel=1e-6, abs=0.0)
     saved = read_checkpoint(run_dir)
     assert saved["run"]["step"] == 12 and saved["config"]["run_id"] == torch.load(
         OLD / "last.pt", weights_only=True)["config"]["run_id"]  # still the same run
