@@ -211,7 +211,7 @@ def test_a_checkpoint_of_version_0_2_0_resumes_where_it_stopped(tmp_path, capsys
     the same run straight to step 12 (straight.jsonl, the same version). Resumed by this version, it
     repeats steps 4-12, across the epoch end: the same steps, epochs and sample counts, and the losses and
     gradient norms within float32 rounding of the recorded run. Not bit for bit: the recorded run's CPU
-    rounds Adam's vectorized update differently from some others (an AMD EPYC with AVX-512 makes step 3's
+    rounds Adam's update differently from some others (an AMD EPYC with AVX-512 makes step 3's
     weights one ulp apart from the checkpoint's, with the same optimizer state), so only a resume on the
     machine that ran the first steps repeats them exactly (test_cli, test_loop). load_model reads it too."""
     import json
