@@ -16,6 +16,9 @@
 #                                          # built into $PROBE_BIN unless that exists), then whether their grid
 #                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu) and
 #                                          # what their exchange through L2 costs (benchmarks/probe/l2_exchange.cu)
+#   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
+#                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
+#                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
 #   bash benchmarks/run_on_gpu.sh all
 set -u
 OUT=${OUT:-$PWD/gpu-run}
@@ -101,6 +104,23 @@ if runs probe; then
   for bc in "128 2" "120 4" "120 8"; do read -r nb cs <<< "$bc"; timeout 30 /tmp/vlseq_l2_exchange multicast $nb 128 200 $cs; done \
     >> "$OUT/l2-exchange.log" 2>&1
   cat "$OUT/l2-exchange.log"
+fi
+if [ "$part" = ncu ]; then
+  bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
+  if [ ! -x "$bin" ]; then
+    ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
+    pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+    ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include \
+      -Icsrc/cuda $ti -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
+  fi
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  # The kernels matched, each its first launch: launch-count 2 covers a case's forward and backward.
+  ${ncu:-ncu} --clock-control none -k "regex:${NCU_KERNELS:-fused}" --launch-count ${NCU_LAUNCHES:-2} \
+    --section SourceCounters --section WarpStateStats -f -o /tmp/vlseq-ncu "$bin" ${NCU_CASE:-64 1 1 lstm fp32 32} \
+    > "$OUT/ncu.log" 2>&1 || rc=1
+  ${ncu:-ncu} -i /tmp/vlseq-ncu.ncu-rep --page source --csv --print-source sass > /tmp/vlseq-ncu-source.csv 2>> "$OUT/ncu.log" &&
+    gzip -c /tmp/vlseq-ncu-source.csv > "$OUT/ncu-source.csv.gz" &&
+    $PY benchmarks/probe/ncu_regions.py /tmp/vlseq-ncu-source.csv | tee "$OUT/ncu-regions.txt" || rc=1
 fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
