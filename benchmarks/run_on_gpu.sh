@@ -81,14 +81,18 @@ if runs rnn; then
     > "$OUT/rnn-bench.log" 2>&1 || rc=1
   tail -40 "$OUT/rnn-bench.log"
 fi
+# The step-timing probe (benchmarks/probe/step_timing.cu), built into $bin unless it exists (probe, ncu);
+# -lineinfo maps ncu's samples to source lines and leaves the SASS as it is.
+bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
+build_probe() {
+  [ -x "$bin" ] && return
+  ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
+  pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include \
+    -Icsrc/cuda $ti -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
+}
 if runs probe; then
-  bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
-  if [ ! -x "$bin" ]; then
-    ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
-    pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-    ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include -Icsrc/cuda $ti \
-      -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
-  fi
+  build_probe
   echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1;1024 32 128;1024 1 128}" | tr ';' '\n' |
     while read -r args; do timeout 30 "$bin" $args; done > "$OUT/step-timing.log" 2>&1 || rc=1
   cat "$OUT/step-timing.log"
@@ -106,13 +110,7 @@ if runs probe; then
   cat "$OUT/l2-exchange.log"
 fi
 if [ "$part" = ncu ]; then
-  bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
-  if [ ! -x "$bin" ]; then
-    ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
-    pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-    ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include \
-      -Icsrc/cuda $ti -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
-  fi
+  build_probe
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   # The kernels matched, each its first launch: launch-count 2 covers a case's forward and backward.
   ${ncu:-ncu} --clock-control none -k "regex:${NCU_KERNELS:-fused}" --launch-count ${NCU_LAUNCHES:-2} \
