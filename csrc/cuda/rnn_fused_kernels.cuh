@@ -238,26 +238,41 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   const float* xrow = a.xproj + (sample * T) * GH + unit;
   float xnext[G];
   auto time_of = [&](int s) -> int64_t { return g.reverse ? len - 1 - s : s; };
+  // kLocal: the lane's rows as pointers moved a row a step (`x_at`: the step prefetch loads next;
+  // `out_at`: the step whose outputs are pending), where recomputing them from sample * T + t cost
+  // ~60 instructions of 64-bit arithmetic a step on every warp.
+  const int64_t first = sample * T + (g.reverse && len > 0 ? len - 1 : 0);
+  const int x_step = g.reverse ? -GH : GH, out_step = g.reverse ? -H : H;  // ints: a pointer add is one IMAD.WIDE
+  const float* x_at = a.xproj + first * GH + unit;
+  int64_t out_at = first * H + unit;
   auto prefetch = [&](int s) {
     if (!ln.mine || s >= len) return;
+    if constexpr (kLocal) {
 #pragma unroll
-    for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + time_of(s) * GH + q * H);
-    if (ln.writer && s + 1 < len)
+      for (int q = 0; q < G; ++q) xnext[q] = __ldg(x_at + q * H);
+      x_at += x_step;
+      // The step after next's lines, a gate per lane of the sample (there are ks / BT of them).
+      if (s + 1 < len)
+        for (int q = ln.q / BT; q < G; q += ln.ks / BT) prefetch_l2(x_at + q * H);
+    } else {
 #pragma unroll
-      for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
+      for (int q = 0; q < G; ++q) xnext[q] = __ldg(xrow + time_of(s) * GH + q * H);
+      if (ln.writer && s + 1 < len)
+#pragma unroll
+        for (int q = 0; q < G; ++q) prefetch_l2(xrow + time_of(s + 1) * GH + q * H);
+    }
   };
   // Where a step's output stores and the next step's input loads issue. In a cluster: after the sends,
   // while the peers' sends are on their way. In a single block they would hold up the warps' arrival at
   // the __syncthreads, so there they issue under the next step's products (`pending`: the writer's
-  // outputs of the step before, not yet stored). h64, one block: forward step 1,435 -> 1,333 clocks; in
-  // a cluster the same placement measured slower (BENCHMARKS.md, fifteenth session).
+  // outputs of the step before, not yet stored, at out_at). h64, one block: forward step 1,435 -> 1,333
+  // clocks; in a cluster the same placement measured slower (BENCHMARKS.md, fifteenth session).
   bool pending = false;
-  int64_t pending_row = 0;
-  float pending_out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto store_outputs = [&](int64_t row, const float (&out)[4]) {
-    a.y[row * H + unit] = h;
-    reinterpret_cast<float4*>(a.saved)[row * H + unit] = make_float4(out[0], out[1], out[2], out[3]);
-    if constexpr (C == Cell::kLSTM) a.cs[row * H + unit] = c;
+  float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the cell's gates (saved)
+  auto store_outputs = [&](int64_t row) {
+    a.y[row] = h;
+    reinterpret_cast<float4*>(a.saved)[row] = make_float4(out[0], out[1], out[2], out[3]);
+    if constexpr (C == Cell::kLSTM) a.cs[row] = c;
   };
   prefetch(0);
   const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
@@ -297,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
           for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
             hv[m] = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
           if (b == 0) {
-            if (pending) store_outputs(pending_row, pending_out);
+            if (pending) store_outputs(out_at), out_at += out_step;
             pending = false;
             prefetch(s + 1);
           }
@@ -320,7 +335,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
     VLSEQ_MARK(0, 1, s);
     const bool live = ln.mine && s < len;
-    float out[4];
     if (live) {
 #pragma unroll
       for (int q = 0; q < G; ++q) gh[q] += bias[q];
@@ -329,11 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if (live) ln.template send<1>(cur ^ 1, Kp, ln.jb * Kp + unit, {h});
     VLSEQ_MARK(0, 2, s);
     if constexpr (kLocal) {
-      pending = ln.writer && live, pending_row = sample * T + time_of(s);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) pending_out[q] = out[q];
+      pending = ln.writer && live;
     } else {
-      if (ln.writer && live) store_outputs(sample * T + time_of(s), out);
+      if (ln.writer && live) store_outputs((sample * T + time_of(s)) * H + unit);
       prefetch(s + 1);
     }
     VLSEQ_MARK(0, 3, s);
@@ -342,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     else
       bar.wait();
   }
-  if (pending) store_outputs(pending_row, pending_out);
+  if (pending) store_outputs(out_at);
   if (ln.writer) {
     a.h_n[sample * H + unit] = h;
     if constexpr (C == Cell::kLSTM) a.c_n[sample * H + unit] = c;
@@ -427,6 +439,69 @@ __device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t 
   }
 }
 
+// The single-block backward's rows of one (sample, unit): what its steps read and write, as pointers
+// moved a row a step (the steps run down in s, and row t(s - 1) = t(s) - dir), where recomputing them
+// from sample * T + t cost ~100 instructions of 64-bit arithmetic a step on every warp. The LSTM's c_t
+// of a step is the c_{t-1} loaded for the step after it, so c_t is loaded only at the sample's last step.
+template <Cell C, int F>
+struct BackwardRows {
+  const float4* saved;  // row t(s) of the step load() reads next
+  const float* prev;    // LSTM: cs at row t(s); GRU: y at row t(s) - dir
+  const float* dy;      // null: no dy
+  float* dg;            // dgates (and the GRU's dgates_hn) at the row store() writes next
+  float* dg_hn;
+  int step, gstep;  // a row: -dir * H, -dir * G * H floats (an int: a pointer add is one IMAD.WIDE)
+  int H;
+  float first_prev;  // c0 (LSTM) or h0 (GRU): the c_{t-1} or h_{t-1} of step 0
+  __device__ __forceinline__ BackwardRows(const BackwardArgs& a, int64_t sample, int unit, int len) {
+    const Geometry& g = a.g;
+    const int GH = (C == Cell::kLSTM ? 4 : 3) * g.H;
+    const int64_t dir = g.reverse ? -1 : 1, row = sample * g.T + (g.reverse || len == 0 ? 0 : len - 1);
+    H = g.H, step = g.reverse ? H : -H, gstep = g.reverse ? GH : -GH;
+    saved = reinterpret_cast<const float4*>(a.saved) + row * H + unit;
+    prev = C == Cell::kLSTM ? a.cs + row * H + unit : a.y + (row - dir) * H + unit;
+    dy = a.dy ? a.dy + row * H + unit : nullptr;
+    dg = a.dgates + row * GH + unit;
+    dg_hn = C == Cell::kGRU ? a.dgates_hn + row * H + unit : nullptr;
+    first_prev = len == 0 ? 0.0f : C == Cell::kLSTM ? a.c0[sample * H + unit] : a.h0[sample * H + unit];
+  }
+  // Step s's fields into p (p holds step s + 1's unless `last`, the sample's first step run), then
+  // moves to step s - 1's row.
+  __device__ __forceinline__ void load(int s, bool last, float (&p)[F]) {
+    const float4 v = __ldg(saved);
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+    if constexpr (C == Cell::kLSTM) {
+      p[4] = last ? __ldg(prev) : p[5];
+      prev += step;
+      p[5] = s > 0 ? __ldg(prev) : first_prev;
+    } else {
+      p[4] = s > 0 ? __ldg(prev) : first_prev;
+      prev += step;
+    }
+    p[F - 1] = dy ? __ldg(dy) : 0.0f;
+    saved += step;
+    if (dy) dy += step;
+  }
+  // Asks L2 for line i (0 .. 2) of the step load() reads next: its saved gates, c_{t-1} / h_{t-1} (not
+  // at step 0: c0 / h0, and the row would lie outside the sequence), dy.
+  __device__ __forceinline__ void ask_l2(int i, bool not_step0) const {
+    if (i == 0) prefetch_l2(saved);
+    if (i == 1 && not_step0) prefetch_l2(C == Cell::kLSTM ? prev + step : prev);
+    if (i == 2 && dy) prefetch_l2(dy);
+  }
+  __device__ __forceinline__ void store(const float (&rg)[4], float dn) {
+    if constexpr (C == Cell::kLSTM) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) dg[q * H] = rg[q];
+    } else {
+      dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
+      *dg_hn = rg[2];
+      dg_hn += step;
+    }
+    dg += gstep;
+  }
+};
+
 template <Cell C, bool kLocal, int BT>  // kLocal: as the forward's
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -469,15 +544,23 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   if (ln.cluster && ln.idle_warp) return;
 
   float pnext[F];
+  BackwardRows<C, F> rows(a, sample, unit, len);  // kLocal
   auto prefetch = [&](int s) {
-    if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
-    if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
+    if constexpr (kLocal) {
+      if (!ln.mine || s < 0 || s > len) return;
+      if (s < len) rows.load(s, s == len - 1, pnext);
+      // Step s - 1's lines, a line per lane of the sample (there are ks / BT of them).
+      if (s >= 1)
+        for (int i = ln.q / BT; i < 3; i += ln.ks / BT) rows.ask_l2(i, s > 1);
+    } else {
+      if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
+      if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
+    }
   };
   // A step's gate gradients and the next step's loads issue where the forward's do (in a single block,
   // under the step before's products: h64 backward step 1,835 -> 1,721 clocks). `pending`: the writer's
-  // of the step after, not yet stored.
+  // of the step after, not yet stored (at rows.dg).
   bool pending = false;
-  int64_t pending_row = 0;
   float pending_rg[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pending_dn = 0.0f;
   prefetch(smax - 1);
   const bool all_chunks = NW * ln.ks <= k4n;  // every lane's chunks are in range
@@ -522,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
             for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
               gv[m] = chunk<kPredicated>(src, ln.q + (m0 + m) * ln.ks < k4n);
             if (b == 0 && m0 == 0) {
-              if (pending) store_gate_grads<C>(a, pending_row, unit, pending_rg, pending_dn);
+              if (pending) rows.store(pending_rg, pending_dn);
               pending = false;
               prefetch(s - 1);
             }
@@ -567,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     }
     VLSEQ_MARK(1, 2, s);
     if constexpr (kLocal) {  // stored under the next step's products (s = -1's too)
-      pending = ln.writer && live, pending_row = sample * T + (g.reverse ? len - 1 - s : s), pending_dn = dn;
+      pending = ln.writer && live, pending_dn = dn;
 #pragma unroll
       for (int q = 0; q < 4; ++q) pending_rg[q] = rg[q];
     } else {
