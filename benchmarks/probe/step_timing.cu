@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
   static const char* fused_names[] = {"products", "cell+send", "stores+prefetch", "wait"};
   const int Kp = (H + 3) / 4 * 4, Kb = 4 * H;
-  const bool fused = !bf16 && fits_fused(G, H, hs, B, bt);
+  const bool fused = !bf16 && fits_fused(G, H, hs, B, bt, nc == 1);
   if (nc > kMaxCluster) {  // the grid kernels
     g.sync = Sync::kGrid;
     cudaDeviceProp p;

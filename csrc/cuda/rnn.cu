@@ -176,7 +176,7 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
     const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
     // Each direction on the fused kernel where it fits, or the generic one (they share only global
     // tensors): the pair with the fewest clocks.
-    const bool can_fuse = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt);
+    const bool can_fuse = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt, sync == Sync::kLocal);
     const bool can_scatter = w == Weights::kFP32 && fits_scatter(H, hs, bs, bt);
     const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (!can_fuse && !can_scatter && std::max(generic_fwd, generic_bwd) > optin) break;  // only grows with bs

@@ -6,7 +6,7 @@
 //
 // Work split
 // ----------
-// Block `rank` owns hidden units [j0, j0 + hv). Unit j of the block has ks = fused_lanes(hs)
+// Block `rank` owns hidden units [j0, j0 + hv). Unit j of the block has ks = fused_lanes(hs, workers)
 // consecutive lanes (one warp or part of one); lane q of them holds chunks q, q + ks, ... (float4s
 // of the contraction index) of the unit's weights and sums that share of the products for all BT
 // samples of the tile (padding samples skipped); a butterfly (sample_sums) gives each lane the
@@ -145,20 +145,21 @@ struct FusedThread {
   bool mine;       // and slot jb holds a sample: the lane runs its cell and sends
   bool writer;     // and the lane writes that (sample, unit)'s outputs
   bool idle_warp;  // no lane of the warp has a unit
+  int workers;     // the threads of the warps with a unit (a single block's step barrier counts them)
   bool cluster;
   int unit;        // j0 + j
   int64_t sample;  // the sample of slot jb
   float* buf;
   Mailbox mbox;
   __device__ __forceinline__ FusedThread(const Geometry& g, const int64_t* lengths, const int64_t* order, int row,
-                                         unsigned char* smem)
+                                         unsigned char* smem, int max_workers)
       : blk(g),
         slots(g, blk, lengths, order, reinterpret_cast<int*>(smem + FusedSmem(g, row, BT).lens)),
         mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
-    nc = g.nc, ks = fused_lanes(g.hs);
+    nc = g.nc, ks = fused_lanes(g.hs, max_workers);
     q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
     has_unit = j < blk.hv, mine = has_unit && jb < slots.bv, writer = mine && q < BT;
-    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv;
+    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv, workers = round_up(blk.hv * ks, 32);
     cluster = g.sync == Sync::kCluster;
     unit = blk.j0 + j, sample = mine ? slots.sample(jb) : 0;
     buf = reinterpret_cast<float*>(smem + FusedSmem(g, row, BT).v);
@@ -185,16 +186,22 @@ struct FusedThread {
   }
 };
 
+// A single block's step barrier: named barrier 1 over the warps with a unit (the others have left).
+__device__ __forceinline__ void worker_barrier(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+
 // kLocal: the single-block layout (Sync::kLocal), whose step's outputs and next loads issue under the
 // next step's products (below).
 template <Cell C, bool kLocal, int BT>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  constexpr int kChunks = fused_chunks(kLocal, BT);
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kp = round_up(H, 4), k4n = Kp / 4;
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedThread<BT> ln(g, a.lengths, a.order, Kp, smem);
+  const FusedThread<BT> ln(g, a.lengths, a.order, Kp, smem, fused_workers(kLocal, BT));
   const Block& blk = ln.blk;
   const int unit = ln.unit;
   const int64_t sample = ln.sample;
@@ -207,9 +214,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     h_s[e] = e < hbuf && b < ln.slots.bv && k < H ? a.h0[ln.slots.sample(b) * H + k] : 0.0f;
   }
   // Rows q * H + unit of W_hh (gate q), chunks ln.q + m * ks of k, zero past H.
-  float4 w[G][kFusedChunks];
+  float4 w[G][kChunks];
 #pragma unroll
-  for (int m = 0; m < kFusedChunks; ++m) {
+  for (int m = 0; m < kChunks; ++m) {
     const int k0 = 4 * (ln.q + m * ln.ks);
 #pragma unroll
     for (int q = 0; q < G; ++q) {
@@ -232,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
   int slot_len[BT];
   const int smax = ln.slots.finish(bar, g.bs, slot_len);
   const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
-  if (ln.cluster && ln.idle_warp) return;
+  if ((kLocal || ln.cluster) && ln.idle_warp) return;  // a single block's step barrier counts the others
 
   // This lane's input projections, loaded a step ahead (their latency hides behind the exchange).
   const float* xrow = a.xproj + (sample * T) * GH + unit;
@@ -275,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     if constexpr (C == Cell::kLSTM) a.cs[row] = c;
   };
   prefetch(0);
-  const bool all_chunks = kFusedChunks * ln.ks <= k4n;  // every lane's chunks are in range
+  const bool all_chunks = kChunks * ln.ks <= k4n;  // every lane's chunks are in range
   for (int s = 0; s < smax; ++s) {
     const int cur = s & 1;
     // Samples that run this step: only they are multiplied and sent (slot 0 runs every step: each
@@ -307,9 +314,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
           }
         };
         if constexpr (kLocal) {  // the sample's chunks loaded, then (b = 0) the work nobody on this step's path waits for
-          float4 hv[kFusedChunks];
+          float4 hv[kChunks];
 #pragma unroll
-          for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
+          for (int m = 0; m < kChunks; ++m, src += 4 * ln.ks)
             hv[m] = chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n);
           if (b == 0) {
             if (pending) store_outputs(out_at), out_at += out_step;
@@ -317,10 +324,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
             prefetch(s + 1);
           }
 #pragma unroll
-          for (int m = 0; m < kFusedChunks; ++m) multiply(m, hv[m]);
+          for (int m = 0; m < kChunks; ++m) multiply(m, hv[m]);
         } else {
 #pragma unroll
-          for (int m = 0; m < kFusedChunks; ++m, src += 4 * ln.ks)
+          for (int m = 0; m < kChunks; ++m, src += 4 * ln.ks)
             multiply(m, chunk<decltype(predicated)::value>(src, ln.q + m * ln.ks < k4n));
         }
       }
@@ -351,6 +358,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
     VLSEQ_MARK(0, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur ^ 1, (s >> 1) & 1);
+    else if constexpr (kLocal)
+      worker_barrier(ln.workers);
     else
       bar.wait();
   }
@@ -507,11 +516,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int F = backward_fields(C);
-  constexpr int NW = 4 * kFusedChunks;
+  constexpr int NW = 4 * fused_chunks(kLocal, BT);
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, Kb = 4 * H, k4n = H;
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedThread<BT> ln(g, a.lengths, a.order, Kb, smem);
+  const FusedThread<BT> ln(g, a.lengths, a.order, Kb, smem, fused_workers(kLocal, BT));
   const Block& blk = ln.blk;
   const int unit = ln.unit;
   const int64_t sample = ln.sample;
@@ -541,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   int slot_len[BT];
   const int smax = ln.slots.finish(bar, g.bs, slot_len);
   const int len = ln.mine ? ln.slots.lens[ln.jb] : 0;
-  if (ln.cluster && ln.idle_warp) return;
+  if ((kLocal || ln.cluster) && ln.idle_warp) return;  // a single block's step barrier counts the others
 
   float pnext[F];
   BackwardRows<C, F> rows(a, sample, unit, len);  // kLocal
@@ -660,6 +669,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     VLSEQ_MARK(1, 3, s);
     if (ln.cluster)
       ln.mbox.wait(cur, ((smax - 1 - s) >> 1) & 1);
+    else if constexpr (kLocal)
+      worker_barrier(ln.workers);
     else
       bar.wait();
   }

@@ -172,16 +172,26 @@ struct BackwardSmem {
 
 // The fused kernels: lanes per hidden unit (a power of 2 up to a warp, as many as keep the threads
 // busy), and whether a layer fits them: every unit of a block on its own lanes, the block's samples
-// in one batch tile with a lane for each (ks >= bt), W_hh within kFusedChunks chunks per lane and row.
-__host__ __device__ inline int fused_lanes(int hs) {
+// in one batch tile with a lane for each (ks >= bt), W_hh within fused_chunks chunks per lane and row.
+// A single block of one or two samples works with 4 warps of its 8 (the rest leave after the set-up),
+// each lane holding twice the chunks: a step's instructions outside the products (the butterfly, the
+// cell, loads and stores: ~3/4 of them at hidden 64) then issue once for 4 warps, not for 8.
+__host__ __device__ constexpr bool fused_few_workers(bool local, int bt) { return local && bt <= 2; }
+__host__ __device__ constexpr int fused_workers(bool local, int bt) {
+  return fused_few_workers(local, bt) ? kThreads / 2 : kThreads;
+}
+__host__ __device__ constexpr int fused_chunks(bool local, int bt) {
+  return fused_few_workers(local, bt) ? 2 * kFusedChunks : kFusedChunks;
+}
+__host__ __device__ inline int fused_lanes(int hs, int workers) {
   int ks = 1;
-  while (ks < 32 && hs * ks * 2 <= kThreads) ks *= 2;
+  while (ks < 32 && hs * ks * 2 <= workers) ks *= 2;
   return ks;
 }
-__host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt) {
-  const int ks = fused_lanes(hs);
-  return bs <= bt && hs * ks <= kThreads && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= kFusedChunks &&
-         ceil_div(H, ks) <= 4 * kFusedChunks;
+__host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt, bool local) {
+  const int workers = fused_workers(local, bt), chunks = fused_chunks(local, bt), ks = fused_lanes(hs, workers);
+  return bs <= bt && hs * ks <= workers && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= chunks &&
+         ceil_div(H, ks) <= 4 * chunks;
 }
 
 // Shared memory of the fused kernels: two exchange buffers (step parity) of bt rows of `row` floats
