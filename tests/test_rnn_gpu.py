@@ -102,6 +102,19 @@ def test_small_one_block_layout(rand, cls):
     compare(rand, cls, 36, 64, lengths=random_lengths(rand, 8, 1, 40))
 
 
+@pytest.mark.parametrize("cls,H,B,bidirectional", [(nn.LSTM, 64, 32, True), (nn.GRU, 64, 32, True),
+                                                    (nn.LSTM, 33, 6, True), (nn.GRU, 47, 264, False)])
+def test_one_block_fused_on_four_warps(rand, cls, H, B, bidirectional):
+    """Single blocks of one or two samples on the fused kernels' four worker warps, the backward with
+    two units a lane: hidden 64, odd sizes (a lane group whose second unit is past H), two samples a
+    block where 264 outnumber the SMs (one direction: the plan asserted is the one that runs), both
+    directions, lengths that end at different steps."""
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "fp32", DEV)
+    assert re.match(rf"local 1 blocks x \d+ groups, {H} units and [12] samples per block, fused cell and W_hh in "
+                    r"registers \(forward and backward\)", plan), plan
+    compare(rand, cls, 36, H, bidirectional=bidirectional, lengths=random_lengths(rand, B, 1, 60))
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_wide_two_layer_one_sample_480_steps(rand, cls):
     compare(rand, cls, 36, 256, layers=2, lengths=(480,))

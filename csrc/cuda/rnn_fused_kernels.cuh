@@ -136,12 +136,18 @@ struct Slots {
 // What the all-gather fused kernels set up first: where this thread sits (the header comment above),
 // the group's slots, and the block's shared memory: two exchange buffers of BT rows of `row` floats
 // (`buf`, by step parity), the slots' lengths, the mailbox.
-template <int BT>
+// U units to ks lanes (the single block's backward takes U = 2, fused_units): the products' lanes q
+// hold chunks of all U units' columns, so that each chunk of the gate gradients read from shared
+// memory serves U units; lanes u * ks / U .. (u + 1) * ks / U - 1 then run unit u's cell (qu: the lane
+// among them). U = 1: a unit's ks lanes, qu = q, as the header describes.
+template <int BT, int U = 1>
 struct FusedThread {
   Block blk;  // its units (j0, hv); the group's samples are the slots, not blk.b0 / bv
   Slots<BT> slots;
   int nc, ks, q, j, jb;
-  bool has_unit;   // j is one of the block's units: the lane takes part in the products
+  int ku, qu;      // lanes per unit and the lane among its unit's (ks and q where U = 1)
+  int jg;          // the lane's group of U units: units jg * U .. jg * U + U - 1 of the block
+  bool has_unit;   // the group holds one of the block's units: the lane takes part in the products
   bool mine;       // and slot jb holds a sample: the lane runs its cell and sends
   bool writer;     // and the lane writes that (sample, unit)'s outputs
   bool idle_warp;  // no lane of the warp has a unit
@@ -156,10 +162,16 @@ struct FusedThread {
       : blk(g),
         slots(g, blk, lengths, order, reinterpret_cast<int*>(smem + FusedSmem(g, row, BT).lens)),
         mbox(reinterpret_cast<uint64_t*>(smem + FusedSmem(g, row, BT).bars)) {
-    nc = g.nc, ks = fused_lanes(g.hs, max_workers);
-    q = threadIdx.x % ks, j = threadIdx.x / ks, jb = q % BT;
-    has_unit = j < blk.hv, mine = has_unit && jb < slots.bv, writer = mine && q < BT;
-    idle_warp = (threadIdx.x / 32 * 32) / ks >= blk.hv, workers = round_up(blk.hv * ks, 32);
+    nc = g.nc, ks = fused_lanes(ceil_div(g.hs, U), max_workers);
+    q = threadIdx.x % ks, jg = threadIdx.x / ks;
+    if constexpr (U == 1) {
+      ku = ks, qu = q, j = jg;
+    } else {
+      ku = ks / U, qu = q % ku, j = jg * U + q / ku;
+    }
+    jb = qu % BT;
+    has_unit = jg * U < blk.hv, mine = j < blk.hv && jb < slots.bv, writer = mine && qu < BT;
+    idle_warp = (threadIdx.x / 32 * 32) / ks * U >= blk.hv, workers = round_up(ceil_div(blk.hv, U) * ks, 32);
     cluster = g.sync == Sync::kCluster;
     unit = blk.j0 + j, sample = mine ? slots.sample(jb) : 0;
     buf = reinterpret_cast<float*>(smem + FusedSmem(g, row, BT).v);
@@ -171,13 +183,13 @@ struct FusedThread {
   __device__ __forceinline__ void send(int parity, int row, int at, const float (&v)[N]) const {
     float* to_local = buf + parity * BT * row + at;
     if (!cluster) {
-      if (q < BT)
+      if (qu < BT)
 #pragma unroll
         for (int i = 0; i < N; ++i) to_local[i] = v[i];
       return;
     }
     const uint32_t to = smem_u32(to_local);
-    for (int d = q / BT; d < nc; d += ks / BT) {
+    for (int d = qu / BT; d < nc; d += ku / BT) {
       if constexpr (N == 4)
         mbox.send(d, to, parity, make_float4(v[0], v[1], v[2], v[3]));
       else
@@ -516,11 +528,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int F = backward_fields(C);
-  constexpr int NW = 4 * fused_chunks(kLocal, BT);
+  constexpr int U = fused_units(kLocal, BT);               // units a lane multiplies (FusedThread)
+  constexpr int NW = 4 * fused_chunks(kLocal, BT) / U;  // chunks of each unit's column a lane holds
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, Kb = 4 * H, k4n = H;
   extern __shared__ __align__(16) unsigned char smem[];
-  const FusedThread<BT> ln(g, a.lengths, a.order, Kb, smem, fused_workers(kLocal, BT));
+  const FusedThread<BT, U> ln(g, a.lengths, a.order, Kb, smem, fused_workers(kLocal, BT));
   const Block& blk = ln.blk;
   const int unit = ln.unit;
   const int64_t sample = ln.sample;
@@ -528,17 +541,22 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
   const int gbuf = BT * Kb;
 
   for (int e = threadIdx.x; e < 2 * gbuf; e += kThreads) g_s[e] = 0.0f;
-  // Column `unit` of W_hh: chunk k (lanes' chunks ln.q + m * ks) holds rows q * H + k of gates q < G,
-  // zero past them.
-  float4 w[NW];
+  // Columns of the group's units (u) of W_hh: chunk k (lanes' chunks ln.q + m * ks) holds rows q * H + k
+  // of gates q < G, zero past them.
+  float4 w[U][NW];
 #pragma unroll
-  for (int m = 0; m < NW; ++m) {
-    const int k = ln.q + m * ln.ks;
-    float e[4];
+  for (int u = 0; u < U; ++u) {
+    const bool valid = U == 1 ? ln.has_unit : ln.jg * U + u < blk.hv;
+    const int col = U == 1 ? unit : blk.j0 + ln.jg * U + u;
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-      e[q] = ln.has_unit && k < H && q < G ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + unit) : 0.0f;
-    w[m] = make_float4(e[0], e[1], e[2], e[3]);
+    for (int m = 0; m < NW; ++m) {
+      const int k = ln.q + m * ln.ks;
+      float e[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        e[q] = valid && k < H && q < G ? __ldg(a.w_hh + static_cast<int64_t>(q * H + k) * H + col) : 0.0f;
+      w[u][m] = make_float4(e[0], e[1], e[2], e[3]);
+    }
   }
   // dh and dc that enter the last step; ddir: the GRU's direct path z * dh into the step before.
   float dh_last = 0.0f, dc = 0.0f, ddir = 0.0f;
@@ -558,9 +576,9 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     if constexpr (kLocal) {
       if (!ln.mine || s < 0 || s > len) return;
       if (s < len) rows.load(s, s == len - 1, pnext);
-      // Step s - 1's lines, a line per lane of the sample (there are ks / BT of them).
+      // Step s - 1's lines, a line per lane of the sample (there are ku / BT of them).
       if (s >= 1)
-        for (int i = ln.q / BT; i < 3; i += ln.ks / BT) rows.ask_l2(i, s > 1);
+        for (int i = ln.qu / BT; i < 3; i += ln.ku / BT) rows.ask_l2(i, s > 1);
     } else {
       if (ln.mine && s >= 0 && s < len) load_backward_fields<C>(a, sample, unit, len, s, pnext);
       if (ln.writer && s >= 1 && s - 1 < len) load_backward_fields<C, F, true>(a, sample, unit, len, s - 1, pnext);
@@ -585,11 +603,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
 #pragma unroll
     for (int f = 0; f < F; ++f) p[f] = pnext[f];
     VLSEQ_MARK(1, 0, s);
-    // dh_t of this unit from the gate gradients of step s + 1 (zeros before the first step): four
-    // interleaved partial sums per sample (a quarter of the dependent chain), added in a fixed order.
-    float acc[4 * BT];
+    // dh_t of the group's units from the gate gradients of step s + 1 (zeros before the first step): four
+    // interleaved partial sums per unit and sample (a quarter of the dependent chain), added in a fixed
+    // order: acc[(u * 4 + gate) * BT + b].
+    float acc[U * 4 * BT];
 #pragma unroll
-    for (int i = 0; i < 4 * BT; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < U * 4 * BT; ++i) acc[i] = 0.0f;
     auto products = [&](auto predicated) {
       constexpr bool kPredicated = decltype(predicated)::value;
       const float* v = g_s + (cur ^ 1) * gbuf + 4 * ln.q;
@@ -603,10 +622,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
         for (int m0 = 0; m0 < NW; m0 += kFusedChunks) {
           if (kPredicated && m0 * ln.ks >= k4n) break;  // no lane has a chunk from here on
           auto multiply = [&](int m, const float4& gv) {
-            acc[b] = fmaf(w[m].x, gv.x, acc[b]);
-            acc[BT + b] = fmaf(w[m].y, gv.y, acc[BT + b]);
-            acc[2 * BT + b] = fmaf(w[m].z, gv.z, acc[2 * BT + b]);
-            acc[3 * BT + b] = fmaf(w[m].w, gv.w, acc[3 * BT + b]);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              float* au = acc + u * 4 * BT;
+              au[b] = fmaf(w[u][m].x, gv.x, au[b]);
+              au[BT + b] = fmaf(w[u][m].y, gv.y, au[BT + b]);
+              au[2 * BT + b] = fmaf(w[u][m].z, gv.z, au[2 * BT + b]);
+              au[3 * BT + b] = fmaf(w[u][m].w, gv.w, au[3 * BT + b]);
+            }
           };
           if constexpr (kLocal) {  // as the forward's
             float4 gv[kFusedChunks];
@@ -634,10 +657,25 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
       else
         products(std::true_type{});
     }
-    float dot[BT], sum[1];
+    float dot[U][BT], sum[1];
 #pragma unroll
-    for (int b = 0; b < BT; ++b) dot[b] = (acc[b] + acc[BT + b]) + (acc[2 * BT + b] + acc[3 * BT + b]);
-    sample_sums<1, BT>(dot, sum, ln.ks, ln.q);
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int b = 0; b < BT; ++b) {
+        const float* au = acc + u * 4 * BT;
+        dot[u][b] = (au[b] + au[BT + b]) + (au[2 * BT + b] + au[3 * BT + b]);
+      }
+    if constexpr (U == 1) {
+      sample_sums<1, BT>(dot[0], sum, ln.ks, ln.q);
+    } else {  // U = 2: the unit level first (lanes keep their own unit's sums), then the unit's lanes
+      static_assert(U == 2, "two units a lane at most");
+      const bool upper = ln.q >= ln.ku;
+      float kept[BT];
+#pragma unroll
+      for (int b = 0; b < BT; ++b)
+        kept[b] = (upper ? dot[1][b] : dot[0][b]) + __shfl_xor_sync(0xffffffffu, upper ? dot[0][b] : dot[1][b], ln.ku);
+      sample_sums<1, BT>(kept, sum, ln.ku, ln.qu);
+    }
     VLSEQ_MARK(1, 1, s);
     // dh_t: from the step after when this sample ran it, else what entered the sequence's end.
     const float dh = s + 1 < len ? sum[0] + ddir : dh_last;

@@ -183,15 +183,20 @@ __host__ __device__ constexpr int fused_workers(bool local, int bt) {
 __host__ __device__ constexpr int fused_chunks(bool local, int bt) {
   return fused_few_workers(local, bt) ? 2 * kFusedChunks : kFusedChunks;
 }
+// The backward's units per lane group (FusedThread): with few workers each lane multiplies two units'
+// columns, so that each chunk of gate gradients it reads from shared memory serves both (the products
+// read half as much: they were bound by shared-memory wavefronts, 16 per 64 FMAs).
+__host__ __device__ constexpr int fused_units(bool local, int bt) { return fused_few_workers(local, bt) ? 2 : 1; }
 __host__ __device__ inline int fused_lanes(int hs, int workers) {
   int ks = 1;
   while (ks < 32 && hs * ks * 2 <= workers) ks *= 2;
   return ks;
 }
 __host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt, bool local) {
-  const int workers = fused_workers(local, bt), chunks = fused_chunks(local, bt), ks = fused_lanes(hs, workers);
+  const int workers = fused_workers(local, bt), chunks = fused_chunks(local, bt), U = fused_units(local, bt);
+  const int ks = fused_lanes(hs, workers), ksb = fused_lanes(ceil_div(hs, U), workers);  // forward, backward
   return bs <= bt && hs * ks <= workers && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= chunks &&
-         ceil_div(H, ks) <= 4 * chunks;
+         ceil_div(hs, U) * ksb <= workers && ksb / U >= bt && ceil_div(H, ksb) <= 4 * chunks / U;
 }
 
 // Shared memory of the fused kernels: two exchange buffers (step parity) of bt rows of `row` floats
