@@ -25,9 +25,13 @@
 //             float4 to every block (an all-gather of g instead of the generic kernel's
 //             reduce-scatter of partial dh: each unit's dh is summed where it is used, and the cell
 //             needs no second pass; a send costs about a clock whatever its width, hence the float4).
+// A single block of one or two samples (fused_few_workers) runs on its first 4 warps with 8 chunks per
+// lane and row, and its backward gives each ks lanes two units (FusedThread, U = 2); the other warps
+// leave after the set-up.
 //
-// Why no barrier per step is needed (cluster; a single block has one __syncthreads per step)
-// -------------------------------------------------------------------------------------------
+// Why no barrier per step is needed (cluster; a single block has one barrier per step, named barrier 1
+// over its warps with a unit: every thread that reads or writes the exchange buffers after the set-up)
+// -------------------------------------------------------------------------------------------------------
 // The buffers are double-buffered by step parity as in the generic kernels, each filled by the
 // step's sends of every block (itself included) and waited for by every thread that reads it. A
 // block's sends of step s follow, by data dependency through the butterfly, every read of the
