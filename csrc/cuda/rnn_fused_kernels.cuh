@@ -309,12 +309,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
 #pragma unroll
     for (int q = 0; q < G; ++q) x[q] = xnext[q];
     VLSEQ_MARK(0, 0, s);
-    // acc[q * BT + b] = W_hh row (gate q, this unit) . h_{t-1} of sample b; a single block sums odd
-    // chunks into acc_odd (8 chains, not 4: its one warp per scheduler has nothing else to issue
-    // while an FMA's result is on its way), added to acc in a fixed order after the products.
-    float acc[G * BT], acc_odd[G * BT];
+    // acc[q * BT + b] = W_hh row (gate q, this unit) . h_{t-1} of sample b.
+    float acc[G * BT];
 #pragma unroll
-    for (int i = 0; i < G * BT; ++i) acc[i] = acc_odd[i] = 0.0f;
+    for (int i = 0; i < G * BT; ++i) acc[i] = 0.0f;
     auto products = [&](auto predicated) {
       const float* v = h_s + cur * hbuf + 4 * ln.q;
 #pragma unroll
@@ -324,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
         auto multiply = [&](int m, const float4& hv) {
 #pragma unroll
           for (int q = 0; q < G; ++q) {
-            float& sum = kLocal && m % 2 ? acc_odd[q * BT + b] : acc[q * BT + b];
+            float& sum = acc[q * BT + b];
             sum = fmaf(w[q][m].x, hv.x, sum);
             sum = fmaf(w[q][m].y, hv.y, sum);
             sum = fmaf(w[q][m].z, hv.z, sum);
@@ -356,9 +354,6 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const Fo
       else
         products(std::true_type{});
     }
-    if constexpr (kLocal)
-#pragma unroll
-      for (int i = 0; i < G * BT; ++i) acc[i] += acc_odd[i];
     float gh[G];
     sample_sums<G, BT>(acc, gh, ln.ks, ln.q);
     VLSEQ_MARK(0, 1, s);
