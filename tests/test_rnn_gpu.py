@@ -107,8 +107,9 @@ def test_small_one_block_layout(rand, cls):
 def test_one_block_fused_on_four_warps(rand, cls, H, B, bidirectional):
     """Single blocks of one or two samples on the fused kernels' four worker warps, the backward with
     two units a lane: hidden 64, odd sizes (a lane group whose second unit is past H), two samples a
-    block where 264 outnumber the SMs (one direction: the plan asserted is the one that runs), both
-    directions, lengths that end at different steps."""
+    block where 264 outnumber the SMs, lengths that end at different steps. The 264 run in one
+    direction, so that the plan asserted is the one that runs (a bidirectional layer plans each
+    direction on half the SMs); the others run both."""
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "fp32", DEV)
     assert re.match(rf"local 1 blocks x \d+ groups, {H} units and [12] samples per block, fused cell and W_hh in "
                     r"registers \(forward and backward\)", plan), plan

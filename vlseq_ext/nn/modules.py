@@ -27,7 +27,8 @@ KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 # "auto" follows the rnn bench on an H200 (BENCHMARKS.md; forward + backward, ours against cuDNN in the
 # same run). cuDNN stays where it measured faster or the same:
 # - unpadded input up to hidden 64, where cuDNN runs its own persistent kernel (ours 0.83x for one
-#   sample, 1.00x for 32: at parity, nothing to gain); at hidden 128 ours measured faster (LSTM 2.1x /
+#   sample before the sixteenth session's single-block work, not measured since; 1.00x for 32 after
+#   it: at parity, nothing to gain); at hidden 128 ours measured faster (LSTM 2.1x /
 #   2.0x for 1 / 32 samples, GRU 1.3x and bidirectional GRU 1.4x for 32); hidden 65-127 is unmeasured
 #   and goes to ours;
 # - unpadded input under bf16 autocast (ours 0.96x at hidden 256, 0.65x at 1024);
