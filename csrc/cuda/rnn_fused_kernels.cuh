@@ -448,20 +448,24 @@ __device__ __forceinline__ void backward_cell(const float (&p)[F], float dh, flo
     ddir = dht * z;
   }
 }
-// The step's gate gradients at (sample, time) row `row`: the GRU's input side n gradient is dn, its
-// recurrent one, r * dn, goes to dgates_hn.
+// A step's gate gradients of one (sample, unit) in dgates, from its gate 0 at dg (gates H apart): the
+// GRU's input side n gradient is dn; its recurrent one, r * dn (rg[2]), goes to dgates_hn (the caller's).
 template <Cell C>
-__device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t row, int unit, const float (&rg)[4],
-                                                 float dn) {
-  const int H = a.g.H, GH = (C == Cell::kLSTM ? 4 : 3) * H;
-  float* dg = a.dgates + row * GH + unit;
+__device__ __forceinline__ void store_gate_grads_at(float* dg, int H, const float (&rg)[4], float dn) {
   if constexpr (C == Cell::kLSTM) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) dg[q * H] = rg[q];
   } else {
     dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
-    a.dgates_hn[row * H + unit] = rg[2];
   }
+}
+// The same at (sample, time) row `row`, dgates_hn included.
+template <Cell C>
+__device__ __forceinline__ void store_gate_grads(const BackwardArgs& a, int64_t row, int unit, const float (&rg)[4],
+                                                 float dn) {
+  const int H = a.g.H, GH = (C == Cell::kLSTM ? 4 : 3) * H;
+  store_gate_grads_at<C>(a.dgates + row * GH + unit, H, rg, dn);
+  if constexpr (C == Cell::kGRU) a.dgates_hn[row * H + unit] = rg[2];
 }
 
 // The single-block backward's rows of one (sample, unit): what its steps read and write, as pointers
@@ -515,14 +519,8 @@ struct BackwardRows {
     if (i == 2 && dy) prefetch_l2(dy);
   }
   __device__ __forceinline__ void store(const float (&rg)[4], float dn) {
-    if constexpr (C == Cell::kLSTM) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) dg[q * H] = rg[q];
-    } else {
-      dg[0] = rg[0], dg[H] = rg[1], dg[2 * H] = dn;
-      *dg_hn = rg[2];
-      dg_hn += step;
-    }
+    store_gate_grads_at<C>(dg, H, rg, dn);
+    if constexpr (C == Cell::kGRU) *dg_hn = rg[2], dg_hn += step;
     dg += gstep;
   }
 };
