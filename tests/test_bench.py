@@ -547,3 +547,12 @@ def test_profiler_kernel_events_leave_out_record_function_ranges(device):
     assert len(kernels) == (3 if device == "cuda" else 0)
     if device == "cuda":  # the range is there on the GPU side too: the filter is what leaves it out
         assert any(e.name == "vlseq::test_range" and e.device_type.name == "CUDA" for e in prof.events())
+
+
+def test_only_runs_the_chosen_measurements(tmp_path):
+    d, _ = _bench(tmp_path / "a", "--quick", "--devices", "cpu:2", "--suite", "diag", "--only", "diag.host")
+    assert set(d["diag"]) == {"host"} and d["errors"] == {}
+    proc = subprocess.run([sys.executable, "-m", "vlseq_ext.bench", "--suite", "diag", "--only", "train.",
+                           "--out", str(tmp_path / "b")], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and "no measurement of suite diag starts with that" in proc.stderr

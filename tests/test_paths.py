@@ -372,11 +372,13 @@ def test_first_step_probes_draw_no_random_numbers():
 
 @requires_cuda
 def test_gpu_wide_one_sample_model_warns_once_and_trains(no_tf32):
+    """On torch's RNN (rnn_kernels="cudnn": the module is not swapped, so its calls cannot be gathered)
+    a wide one-sample model can only run per-sample graphs, and says so once."""
     from vlseq_ext import SlowPlanWarning
     gen = torch.Generator().manual_seed(5)
     model = OneSampleLSTM(hidden=256).cuda(0)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
-                              samples_per_device=2)
+                              samples_per_device=2, rnn_kernels="cudnn")
     xs, ys = batch(2 * gpus(), gen, max_len=12)
     with pytest.warns(SlowPlanWarning, match="recurrent width is 256"):
         trainer.compute_gradients(xs, ys)

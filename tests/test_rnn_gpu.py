@@ -537,10 +537,11 @@ def test_seq_model_on_the_kernels_equals_samples_alone(rand, rnn, bidirectional)
     torch.testing.assert_close(one.double().cpu(), alone, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("form", ["padded", "one_sample"])
+@pytest.mark.parametrize("form", ["padded", "one_sample", "one_sample_graphs"])
 def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
-    """ParallelTrainer with rnn_kernels="vlseq" (padded-batch graphs of SeqModel, or one-sample graphs
-    on lanes) gives the gradient cuDNN gives, within fp32 rounding."""
+    """ParallelTrainer with rnn_kernels="vlseq" (padded-batch graphs of SeqModel; a one-sample model's
+    passes with their recurrent calls gathered into one batch (pack=True), or its one-sample graphs on
+    lanes (pack=False)) gives the gradient cuDNN gives, within fp32 rounding."""
     from vlseq_ext import ParallelTrainer, SeqModel
 
     class OneSample(nn.Module):
@@ -561,11 +562,12 @@ def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
         model = (SeqModel(36, 256, 1, num_layers=2) if form == "padded" else OneSample()).to(DEV)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         trainer = ParallelTrainer(model, opt, nn.MSELoss(), devices="cuda:0", samples_per_device=8,
-                                  rnn_kernels=kernels)
+                                  rnn_kernels=kernels, pack={"padded": "auto", "one_sample": True}.get(form, False))
         for _ in range(3):  # eager first, then graph captures and replays
             trainer.compute_gradients(xs, ys)
         grads[kernels] = [p.grad.detach().double().cpu().clone() for p in model.parameters()]
-        assert trainer.runner.plan == ("padded" if form == "padded" else "per_sample")
+        gathered = form == "one_sample" and kernels == "vlseq"  # cuDNN's torch module is not swapped
+        assert trainer.runner.plan == {"padded": "padded"}.get(form, "gathered" if gathered else "per_sample")
     for a, b in zip(grads["vlseq"], grads["cudnn"]):
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
         assert err < 1e-5, err

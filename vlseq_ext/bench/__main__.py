@@ -128,6 +128,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "fit time of the aeon estimator SeqClassifier against aeon's 1-NN DTW and RDST on its "
                          "bundled unequal-length sets (needs aeon; only when named); all (the default): every suite "
                          "but tsc")
+    ap.add_argument("--only", default=None, metavar="PREFIX[,PREFIX...]",
+                    help="run only the measurements of the chosen suites whose result key starts with one of these "
+                         "(e.g. diag.one_sample_plans); the others are left out, not recorded as skipped")
     ap.add_argument("--devices", default=None,
                     help='as everywhere in vlseq_ext: "all", "2" (first 2 GPUs), "cuda:0,cuda:1" or "0,1" (these '
                          'GPUs), "cpu:2" (2 CPU devices); default: all GPUs, else cpu:2')
@@ -188,6 +191,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         tasks.append(Task("ddp", f"ddp ({len(devices)} processes, {len(ddp_jobs)} jobs)",
                           lambda: _run_ddp_jobs(ddp_jobs, devices, res, timeout_s=timeout_s)))
     tasks += later
+    if args.only:
+        prefixes = tuple(p for p in args.only.split(",") if p)
+        tasks = [t for t in tasks if t.key.startswith(prefixes)]
+        if not tasks:
+            ap.error(f"--only {args.only}: no measurement of suite {args.suite} starts with that")
 
     t_start = time.perf_counter()
     timings: Dict[str, float] = defaultdict(float)

@@ -25,6 +25,11 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
   lanes (GPUs): one-sample LSTM (hidden 256, 2 layers; the seed's forward(x) style) at k=32 on one
       GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
       after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
+  one_sample_plans (GPUs): one-sample LSTMs (hidden 256 x 2 layers, whose one-sample recurrence runs
+      in a cluster, and 1024 x 1, a grid) at k=32 on one GPU: their passes gathered into one batch per
+      recurrent call (pack=True) against per-sample graphs on 8 lanes (pack=False) and the plain
+      packed one-GPU loop of the same model as a list model; what pack="auto" chooses between the
+      first two follows it. {<model>: {gathered, sample_graphs, packed_loop}} samples/s.
   limits (GPUs): what limits the sweep's hardest points: their profiles, step time against batch
       size, host threads issuing one GPU's graph launches, the GPU's rate of tiny kernels (limits.py).
 """
@@ -41,7 +46,7 @@ from torch import nn
 from .. import ops
 from ..training.replicas import GradientMerger
 from ..models import SeqModel
-from . import limits
+from . import limits, plans
 from .baselines import Feeder, make_pool
 from .merge import accepted_algos
 from .results import SIZES, Results, Skip, Task, fmt
@@ -250,31 +255,9 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
             add(key, lambda n=n: lanes(res, devices[0], n, budget))
         else:
             res.skip(key, "lanes replay CUDA graphs: GPUs only")
+    out += plans.tasks(devices, budget, res)
     out += limits.tasks(devices, budget, res)
     return out, []
-
-
-def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
-    from ..training.trainer import ParallelTrainer
-    from .sweep_points import ModelSpec, make_model
-    model = make_model(ModelSpec("lstm", 256, 2), "one").to(device)
-    trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), nn.MSELoss(),
-                              devices=[device], samples_per_device=32, lanes=n, process_group=None)
-    pool = make_pool(32, seed=2, pin=True)
-    lengths = sorted({x.shape[0] for x in pool[0]})[:8]
-    keep = [i for i, x in enumerate(pool[0]) if x.shape[0] in lengths]
-    pool = ([pool[0][i] for i in keep], [pool[1][i] for i in keep])
-    trainer.warmup(lengths)
-    feed = Feeder(pool)
-    sync = synchronizer([device])
-
-    def step() -> None:
-        trainer.step(*feed.next(32))
-    try:
-        ts = time_loop(step, sync, repeats=budget.merge_repeats, warmup=2, target_s=1.0, min_iters=3)
-    finally:
-        trainer.close()
-    res.set(f"diag.lanes.lanes{n}", 32 / statistics.median(ts))
 
 
 def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Budget) -> None:
@@ -362,4 +345,4 @@ def markdown_lines(data: Dict[str, Any]) -> List[str]:
             L.append(f"- {k} ({p.get('samples_per_step')} samples per step, {p.get('steps')} steps): wall "
                      f"{fmt(p.get('wall_us_per_step'))}; host in ranges: {parts or '-'}"
                      + (f"; device busy: {busy}" if busy else ""))
-    return L + limits.markdown_lines(d.get("limits") or {})
+    return L + plans.markdown_lines(d.get("one_sample_plans") or {}) + limits.markdown_lines(d.get("limits") or {})

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Optional, Set
+from typing import List, Optional, Set
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence, pad_sequence
 
 from .. import ops
-from . import concurrency, functional
+from . import concurrency, functional, gather
 
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
@@ -118,6 +118,15 @@ class _KernelRNN:
         return concurrency.direction_blocks(lambda blocks: self._plan(batch, x.device, blocks),
                                             concurrency.sm_count(x.device))
 
+    def fills_gpu_alone(self, device: torch.device) -> bool:
+        """Whether one sample's recurrence takes the whole GPU (the grid layout, or torch's RNN), so
+        that one-sample passes cannot run side by side; False when it runs in one thread-block
+        cluster, as many samples' recurrences can at once."""
+        if self.kernels == "cudnn" or torch.device(device).type != "cuda":
+            return True
+        plan = self._plan(1, torch.device(device))
+        return not plan or plan.startswith("grid")
+
     def uses_kernels(self, x: Tensor, batch: int, padded: bool) -> bool:
         """Whether a call with this input runs on the kernels (`padded`: the samples have different
         lengths, i.e. lengths or a PackedSequence were given)."""
@@ -140,10 +149,20 @@ class _KernelRNN:
         return True
 
     def _run(self, input, hx=None, lengths=None):
+        caller = gather.active_caller()
+        if caller is not None:  # a one-sample pass of gather.CallGatherer: this call joins a batch
+            return caller.call(self, (input, hx, lengths))
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError("lengths= is for padded input; a PackedSequence carries its own lengths")
             return self._run_packed(input, hx)
+        x, hx, lengths, unbatched = self._as_batch(input, hx, lengths)
+        out, state = self._run_batch(x, hx, lengths)
+        return self._as_given(out, state, unbatched)
+
+    def _as_batch(self, input, hx, lengths):
+        """A call's arguments, checked, as (x (B, T, features) batch first, hx with a batch dim,
+        lengths or None, whether the input was unbatched)."""
         if not isinstance(input, Tensor):
             raise TypeError(f"input must be a Tensor or a PackedSequence, got {type(input).__name__}")
         if input.dim() not in (2, 3):
@@ -152,24 +171,109 @@ class _KernelRNN:
             raise ValueError(f"input has {input.shape[-1]} features per step, the module expects {self.input_size}")
         unbatched = input.dim() == 2
         x = input.unsqueeze(0) if unbatched else (input if self.batch_first else input.transpose(0, 1))
-        B, T = x.shape[0], x.shape[1]
-        lengths = self._lengths(lengths, B, T, x.device, unbatched)
+        lengths = self._lengths(lengths, x.shape[0], x.shape[1], x.device, unbatched)
         if unbatched and hx is not None:
             hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+        return x, hx, lengths, unbatched
+
+    def _run_batch(self, x: Tensor, hx, lengths: Optional[Tensor]):
+        """x batch first (B, T, features): (output batch first, state)."""
+        B, T = x.shape[0], x.shape[1]
         if T == 0 or B == 0 or not self.uses_kernels(x, B, lengths is not None):
-            out, state = self._torch_padded(x, hx, lengths)
-        else:
-            steps = lengths if lengths is not None else torch.full((B,), T, dtype=torch.long, device=x.device)
-            self._check_state(hx, B, x)
-            out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T),
-                                           side_by_side_blocks=self._side_by_side(x, B))
-            state = (h_n, c_n) if isinstance(self, nn.LSTM) else h_n
+            return self._torch_padded(x, hx, lengths)
+        steps = (lengths.to(x.device, non_blocking=True) if lengths is not None
+                 else torch.full((B,), T, dtype=torch.long, device=x.device))
+        self._check_state(hx, B, x)
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T),
+                                       side_by_side_blocks=self._side_by_side(x, B))
+        return out, ((h_n, c_n) if isinstance(self, nn.LSTM) else h_n)
+
+    def _as_given(self, out: Tensor, state, unbatched: bool):
+        """_run_batch's result in the layout of the call's input."""
         if unbatched:
             out = out.squeeze(0)
             state = tuple(s.squeeze(1) for s in state) if isinstance(state, tuple) else state.squeeze(1)
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, state
+
+    def run_calls(self, calls: List[tuple]) -> List[tuple]:
+        """Several calls of this module, each (input, hx, lengths) as forward takes them, run as one
+        padded batch with per-sample lengths (each sample runs its own steps only, so every call
+        gets what it would have got alone, up to the rounding of a larger batch's plan). Returns one
+        (True, (output, state)) or (False, exception) per call: a call that fails its checks fails
+        alone. PackedSequence calls, and calls whose dtype or device differ from the first
+        tensor call's, run on their own."""
+        replies: List[Optional[tuple]] = [None] * len(calls)
+        batch = []  # (call index, x batch first, hx, lengths, unbatched)
+        for i, (input, hx, lengths) in enumerate(calls):
+            try:
+                if isinstance(input, PackedSequence) or (batch and (input.dtype, input.device) !=
+                                                         (batch[0][1].dtype, batch[0][1].device)):
+                    replies[i] = (True, self._run(input, hx, lengths))
+                    continue
+                x, h, n, unbatched = self._as_batch(input, hx, lengths)
+                if 0 in x.shape[:2]:  # no sample or no step: torch's own answer, as alone
+                    replies[i] = (True, self._run(input, hx, lengths))
+                    continue
+                self._check_state(h, x.shape[0], x)
+                batch.append((i, x, h, n, unbatched))
+            except Exception as e:  # noqa: BLE001 - handed to the caller that made this call
+                replies[i] = (False, e)
+        if batch:
+            try:
+                results = self._run_joined([b[1:4] for b in batch])
+                for (i, *_, unbatched), (out, state) in zip(batch, results):
+                    replies[i] = (True, self._as_given(out, state, unbatched))
+            except Exception as e:  # noqa: BLE001 - the joined call failed: every call in it did
+                for i, *_ in batch:
+                    replies[i] = (False, e)
+        return replies
+
+    def _run_joined(self, parts: List[tuple]) -> List[tuple]:
+        """[(x (B_i, T_i, features), hx or None, lengths or None)] as one batch of sum(B_i) samples
+        padded to max(T_i): each part's (output (B_i, T_i, ...), state) slices of the result."""
+        if len(parts) == 1:
+            return [self._run_batch(*parts[0])]
+        xs = [x for x, _, _ in parts]
+        sizes = [x.shape[0] for x in xs]
+        device = xs[0].device
+        # Given lengths are on the input's device already (_as_batch); the others are known here,
+        # on the host, where torch's packed fallback wants them (no wait for the GPU to read them).
+        if all(n is None for _, _, n in parts):
+            lengths = torch.tensor([x.shape[1] for x in xs for _ in range(x.shape[0])])
+            if device.type == "cuda":
+                lengths = lengths.pin_memory()  # its copy to the GPU then waits for nothing
+        else:
+            lengths = torch.cat([torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=device) if n is None
+                                 else n for x, _, n in parts])
+        x = pad_sequence([s for x in xs for s in (x.unbind(0) if x.shape[0] > 1 else (x[0],))], batch_first=True)
+        hx = self._joined_state([h for _, h, _ in parts], sizes, x)
+        out, state = self._run_batch(x, hx, lengths)
+        # split, not one slice per part: its backward is one concatenation, where k slices would
+        # each scatter into a zeroed tensor of the whole batch's size.
+        outs = out.split(sizes, 0)
+        if isinstance(state, tuple):
+            states = list(zip(*(s.split(sizes, 1) for s in state)))
+        else:
+            states = state.split(sizes, 1)
+        return [(o[:, :part.shape[1]], s) for o, s, part in zip(outs, states, xs)]
+
+    def _joined_state(self, states: List, sizes: List[int], x: Tensor):
+        """The parts' initial states along the batch dim; zeros for a part that gave none (what the
+        module starts from without one). None when no part gave one."""
+        if all(h is None for h in states):
+            return None
+        rows = (self.num_layers * (2 if self.bidirectional else 1), self.hidden_size)
+        lstm = isinstance(self, nn.LSTM)
+
+        def zeros(size: int) -> Tensor:
+            return x.new_zeros(rows[0], size, rows[1])
+
+        def field(j: int) -> Tensor:
+            return torch.cat([(h[j] if lstm else h) if h is not None else zeros(n) for h, n in zip(states, sizes)], 1)
+
+        return (field(0), field(1)) if lstm else field(0)
 
     def _lengths(self, lengths, B: int, T: int, device, unbatched: bool) -> Optional[Tensor]:
         """lengths as an int64 tensor on `device`, checked when they are on the CPU (a CUDA tensor is

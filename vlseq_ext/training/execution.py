@@ -1,23 +1,29 @@
 """How k samples of one device run, on that device's thread: the plan and its graph caches.
 
-Three plans, the same gradient (the float64 per-sample reference) either way:
+Four plans, the same gradient (the float64 per-sample reference) either way:
 - "padded": the model has forward_padded and CUDA graphs are on: one graph replay per device per
   step, for a padded shape (batch size, length bucket) (graphs.PaddedGraphs);
 - "packed": the model accepts a list: one eager packed batch per device;
 - "per_sample": one pass per sample, as graph replays per length when graphs are on
   (graphs.SampleGraphs), round robin over the device's lanes (streams with their own gradient
-  sets), whose gradients are then folded into lane 0.
+  sets), whose gradients are then folded into lane 0;
+- "gathered": a model that takes one sample at a time and holds vlseq_ext.nn LSTM/GRU modules (the
+  trainer swaps torch's in): k eager one-sample passes side by side whose recurrent calls run as one
+  batch with per-sample lengths (vlseq_ext.nn.gather), then one backward over their summed loss.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from ..nn import GRU, LSTM
+from ..nn.gather import CallGatherer
 from .graphs import GRAPH_MEMORY_SHARE, PaddedGraphs, SampleGraphs, padded_length
 from .losses import PerSampleLoss, StepPass, forward_backward, stack_targets
 from .options import TrainerOptions
@@ -47,6 +53,33 @@ def lane_graph_bytes(option: Optional[int], total_memory: int, lanes: int) -> in
     return int(total_memory * min(GRAPH_MEMORY_SHARE, LANES_GRAPH_MEMORY_SHARE / max(lanes, 1)))
 
 
+def gathers_calls(model: nn.Module) -> bool:
+    """Whether one-sample passes of `model` can have their recurrent calls batched: it holds a
+    vlseq_ext.nn LSTM/GRU (gather.CallGatherer stops a pass at those modules' calls only)."""
+    return any(isinstance(m, (LSTM, GRU)) for m in model.modules())
+
+
+def sample_graphs_overlap(model: nn.Module, device: torch.device) -> bool:
+    """Whether the model's one-sample graph replays run side by side on `device`: each of its
+    recurrent modules runs one sample in a thread-block cluster. Then k replays on lanes beat one
+    gathered batch, whose k eager passes cost ~0.3 ms of host time each; where one sample fills the
+    GPU they run one after the other. One H200, k=32 (BENCHMARKS.md, seventeenth session):
+    LSTM 256x2 per-sample graphs 4,400 samples/s, gathered 2,550-2,610; LSTM 1024 (a grid) 611
+    against 2,450-2,770."""
+    modules = [m for m in model.modules() if isinstance(m, (LSTM, GRU))]
+    return bool(modules) and not any(m.fills_gpu_alone(device) for m in modules)
+
+
+def pass_cpu(device: torch.device) -> Optional[int]:
+    """The core a GPU's gathered passes run on (gather.CallGatherer's `cpu`): one per GPU index,
+    from the last of this process's cores down. None for CPU devices: their passes compute, and
+    OpenMP teams started from a pinned thread would inherit its single core."""
+    if device.type != "cuda" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[-1 - (device.index or 0) % len(cores)]
+
+
 def recurrent_width(model: nn.Module) -> int:
     """hidden size x layers x directions of the model's widest recurrent module (0 if none)."""
     widths = [m.hidden_size * m.num_layers * (2 if m.bidirectional else 1)
@@ -60,18 +93,21 @@ class SlowPlanWarning(UserWarning):
 
 def slow_plan_note(plan: str, model: nn.Module, samples_per_device: int, pack, cuda_graphs: bool) -> Optional[str]:
     """Why the chosen plan will be slow, when it will be: a wide one-sample model at k > 1 runs one
-    batch-1 graph per sample (BENCHMARKS.md, ninth session, one H200, k=32: LSTM 256x2 ~4,300
-    samples/s one sample at a time against ~8,350 as a list model; LSTM 1024 ~300 against ~1,800).
-    None when the plan is fine or was asked for (pack=False)."""
+    batch-1 graph per sample, latency-bound (BENCHMARKS.md: one H200, k=32, LSTM 256x2 on the kernels
+    4,400 samples/s against ~8,300 as a list model, seventeenth session; on cuDNN ~4,300 vs ~8,350 and
+    LSTM 1024 ~300 vs ~1,800, ninth session). None when the plan is fine or was asked for (pack=False)."""
     width = recurrent_width(model)
     if plan != "per_sample" or not cuda_graphs or samples_per_device < 2 or pack is False \
             or width < PER_SAMPLE_GRAPH_MAX_WIDTH:
         return None
+    remedies = "give the model forward_padded(x, lengths) (SeqModel shows how) or let forward take a list of samples"
+    if not gathers_calls(model):
+        remedies += (", or run its RNN as an nn.LSTM/nn.GRU module with rnn_kernels 'auto' or 'vlseq' (its calls "
+                     "are then batched across the samples' passes where that is faster)")
     return (f"vlseq_ext: the model takes one sample at a time (no forward_padded, and forward does not take a "
             f"list) and its recurrent width is {width}: each of the {samples_per_device} samples per GPU runs as "
             "its own batch-1 CUDA graph, which is latency-bound (half to a sixth of the same model's speed as one "
-            "batch at this width). Give the model forward_padded(x, lengths) (SeqModel shows how) or let forward "
-            "take a list of samples, and they run as one batch.")
+            f"batch at this width). To run them as one batch, {remedies}.")
 
 
 class DeviceRunner:
@@ -88,6 +124,24 @@ class DeviceRunner:
         self._accepts_list: Optional[bool] = None
         self.sample_graphs: List[List[SampleGraphs]] = [[] for _ in self.devices]
         self.padded_graphs: List[Optional[PaddedGraphs]] = [None] * len(self.devices)
+        self._gatherers: List[Optional[CallGatherer]] = [None] * len(self.devices)
+
+    def close(self) -> None:
+        """End the gathered passes' threads."""
+        for g in self._gatherers:
+            if g is not None:
+                g.close()
+        self._gatherers = [None] * len(self.devices)
+
+    def forward_each(self, d: int, module: nn.Module, inputs: List[Tensor]) -> List[Tensor]:
+        """module(x) for each one-sample input on device d: side by side with their recurrent calls
+        batched where the model allows it (gathers_calls), else one after the other."""
+        if len(inputs) < 2 or not gathers_calls(module):
+            return [module(x) for x in inputs]
+        if self._gatherers[d] is None:
+            self._gatherers[d] = CallGatherer(worker_context=self.autocast, cpu=pass_cpu(self.devices[d]))
+        calls: List[Callable[[], Tensor]] = [functools.partial(module, x) for x in inputs]
+        return self._gatherers[d].run(calls)
 
     def drop_graphs(self) -> None:
         """Forget every captured graph (they recorded which parameters get a gradient); the next
@@ -113,7 +167,8 @@ class DeviceRunner:
         return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
 
     def choose_plan(self, xs: List[Tensor]) -> str:
-        """"padded" (graph per padded shape), "packed" (eager list batch) or "per_sample"."""
+        """"padded" (graph per padded shape), "packed" (eager list batch), "gathered" (one-sample passes,
+        recurrent calls batched) or "per_sample"."""
         pack = self.options.pack
         if pack is False:
             return "per_sample"
@@ -123,6 +178,10 @@ class DeviceRunner:
             return "per_sample"
         if self.options.samples_per_device > 1 and self.accepts_list(xs):
             return "packed"
+        k_samples = self.options.samples_per_device > 1
+        if k_samples and gathers_calls(self.model) and not (
+                pack == "auto" and self.cuda_graphs and sample_graphs_overlap(self.model, self.master_device)):
+            return "gathered"
         return "per_sample"
 
     @contextlib.contextmanager
@@ -213,6 +272,10 @@ class DeviceRunner:
                 cache.run(xs, self._stack(d, ys))
         elif self.plan == "packed" and len(xs) > 1:
             self._eager(d, 0, xs, ys)
+        elif self.plan == "gathered" and len(xs) > 1:
+            ln = self.replicas.lanes[d][0]
+            inputs = [x.to(self.devices[d], dtype=ln.params[0].dtype, non_blocking=True) for x in xs]
+            self._pass(ln)(lambda: torch.cat(self.forward_each(d, ln.module, inputs)), self._stack(d, ys))
         else:
             self._per_sample(d, xs, ys)
 

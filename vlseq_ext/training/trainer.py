@@ -121,8 +121,9 @@ class ParallelTrainer:
         return lpt_shard(lengths, self.group.rank, self.group.world_size, len(self.devices), self.samples_per_device)
 
     def close(self) -> None:
-        """Stop the device threads (also done at exit)."""
+        """Stop the device threads and the gathered passes' threads (also done at exit)."""
         self.workers.close()
+        self.runner.close()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, samples: Sequence[Any], targets: Sequence[Any]) -> Tensor:
@@ -271,7 +272,8 @@ class ParallelTrainer:
                 packed = len(xs) > 1 and self.runner.accepts_list(xs)
                 for s in range(0, len(xs), batch_size):
                     chunk = [x.to(self.master_device, dtype=dtype) for x in xs[s:s + batch_size]]
-                    outs.append(self.model(chunk) if packed and len(chunk) > 1 else torch.cat([self.model(x) for x in chunk]))
+                    outs.append(self.model(chunk) if packed and len(chunk) > 1 else
+                                torch.cat(self.runner.forward_each(self.replicas.master_index, self.model, chunk)))
         finally:
             self.model.train(was_training)
         out = loss_precision(torch.cat(outs))
