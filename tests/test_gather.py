@@ -221,6 +221,15 @@ def test_calls_join_only_calls_of_the_same_grad_mode():
     g.close()
 
 
+def test_a_wrong_initial_state_fails_its_own_pass(rand):
+    model = vnn.GRU(3, 4, batch_first=True)
+    g = CallGatherer()
+    good = lambda: model(rand.randn(1, 5, 3))[1]  # noqa: E731
+    with pytest.raises(ValueError, match=r"initial state must have shape \(1, 1, 4\), got \(1, 2, 4\)"):
+        g.run([good, lambda: model(rand.randn(1, 5, 3), torch.zeros(1, 2, 4))[1], good])
+    g.close()
+
+
 def test_gathering_is_not_reentrant():
     g = CallGatherer()
     with pytest.raises(RuntimeError, match="inside a gathered pass"):
@@ -343,3 +352,31 @@ def test_gpu_auto_gathers_where_one_sample_fills_the_gpu():
 
     assert plan(1024, 1) == "gathered"
     assert plan(256, 2) == "per_sample"
+
+
+@requires_cuda
+def test_gpu_calls_on_another_stream_run_on_it(rand, no_tf32):
+    """A pass that calls the RNN on a side stream gets its batch run on that stream (ordered with the
+    pass's own work there), not on the caller's."""
+    model = vnn.LSTM(5, 16, batch_first=True, kernels="vlseq").cuda()
+    side = torch.cuda.Stream()
+    xs = [rand.randn(1, n, 5, device="cuda") for n in (7, 3, 9)]
+
+    def on_side(x):
+        def fn():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = model(x * 2)[0]
+                ready = torch.cuda.Event()
+                ready.record()
+            torch.cuda.current_stream().wait_event(ready)
+            return out
+        return fn
+
+    g = CallGatherer()
+    outs = g.run([on_side(xs[0]), lambda: model(xs[1] * 2)[0], on_side(xs[2])])
+    torch.cuda.synchronize()
+    assert (g.joined_calls, g.gathered_calls) == (2, 3)
+    g.close()
+    for x, o in zip(xs, outs):
+        torch.testing.assert_close(o, model(x * 2)[0], rtol=1e-5, atol=1e-6)

@@ -18,7 +18,9 @@ batched call is an ordinary op, so the sum of the k losses backpropagates throug
 backward per module call.
 
 Per-thread state the passes need is carried over from the caller: the grad mode, the current CUDA
-device and stream, and whatever `worker_context` enters (autocast, which is per thread too).
+device and stream, and whatever `worker_context` enters (autocast, which is per thread too). A
+call joins a batch with calls made under the same modes and stream only, and the batch runs under
+them (a pass that runs its RNN under no_grad, or on a side stream, gets what it would alone).
 
 `cpu`: the core that the pass threads, and the caller while it runs them, are kept on. The turns
 are handed from thread to thread twice per pass and round; across cores each hand-over waits for
@@ -46,19 +48,23 @@ def active_caller() -> Optional["_Caller"]:
 
 def _call_mode(input: Any) -> tuple:
     """The per-thread modes a call runs under (grad, inference, autocast of the input's device
-    type): calls join a batch only with calls of the same modes, and the batch runs under them."""
-    kind = input.device.type if isinstance(input, torch.Tensor) else "cpu"
-    autocast = torch.is_autocast_enabled(kind)
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), kind, autocast,
-            torch.get_autocast_dtype(kind) if autocast else None)
+    type, the current stream of a CUDA input's device): calls join a batch only with calls of the
+    same modes, and the batch runs under them."""
+    device = input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
+    autocast = torch.is_autocast_enabled(device.type)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device.type, autocast,
+            torch.get_autocast_dtype(device.type) if autocast else None, stream)
 
 
 def _entered(mode: tuple) -> ContextManager:
-    grad, inference, kind, autocast, dtype = mode
+    grad, inference, kind, autocast, dtype, stream = mode
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode(inference))
     stack.enter_context(torch.set_grad_enabled(grad))
     stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False))
+    if stream is not None:
+        stack.enter_context(torch.cuda.stream(stream))
     return stack
 
 

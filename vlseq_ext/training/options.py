@@ -54,9 +54,12 @@ class TrainerOptions:
     How a device runs its samples:
         cuda_graphs: replay CUDA graphs of forward + backward (exactly the eager gradient).
         pack: "auto" (padded graphs when the model has forward_padded; otherwise per-sample graphs
-            for narrow RNNs and one packed batch for wide ones), True (one batch: padded graphs, or a
-            packed list when the model has no forward_padded or graphs are off), or False (k
-            per-sample passes). The same gradient every way.
+            for narrow RNNs and one packed batch for wide ones; a one-sample model's passes with
+            their recurrent calls gathered into one batch where one sample fills the GPU or graphs are
+            off, per-sample graphs where one sample runs in a cluster), True (one batch: padded
+            graphs, a packed list when the model has no forward_padded or graphs are off, or the
+            gathered passes of a one-sample model), or False (k per-sample passes). The same gradient
+            every way.
         lanes: concurrent per-sample passes per device (one CUDA stream and gradient set each);
             None: min(k, 8) on the per-sample graph path, else 1.
         amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
