@@ -22,6 +22,10 @@ device and stream, and whatever `worker_context` enters (autocast, which is per 
 call joins a batch with calls made under the same modes and stream only, and the batch runs under
 them (a pass that runs its RNN under no_grad, or on a side stream, gets what it would alone).
 
+A pass's nn.Linear calls can join batches too (gather_linear_calls swaps the modules' class for
+GatheredLinear): its head then runs once for all passes, and so does its backward, where k heads
+would each run a few small kernels and autograd nodes.
+
 `cpu`: the core that the pass threads, and the caller while it runs them, are kept on. The turns
 are handed from thread to thread twice per pass and round; across cores each hand-over waits for
 the woken core (one H200 machine, 16 cores: 32 passes of one call took 4.6 ms of hand-overs on any
@@ -35,8 +39,10 @@ import threading
 from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
 
-__all__ = ["CallGatherer", "active_caller"]
+__all__ = ["CallGatherer", "GatheredLinear", "active_caller", "gather_linear_calls"]
 
 _local = threading.local()
 
@@ -66,6 +72,19 @@ def _entered(mode: tuple) -> ContextManager:
     if stream is not None:
         stack.enter_context(torch.cuda.stream(stream))
     return stack
+
+
+def _pinned(cpus: Optional[set]) -> Optional[set]:
+    """Keeps the calling thread on `cpus` (None: leaves it); returns the set it had, None when it
+    could not be changed (a core no longer allowed: the passes then run anywhere, only slower)."""
+    if cpus is None:
+        return None
+    try:
+        saved = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        return saved
+    except OSError:
+        return None
 
 
 class GatherCancelled(RuntimeError):
@@ -110,8 +129,8 @@ class _Caller:
 
 
 class CallGatherer:
-    """Runs one-sample passes side by side, their recurrent calls batched (see the module doc).
-    Threads are made on first use, one per slot, and kept until close()."""
+    """Runs one-sample passes side by side, their LSTM/GRU (and GatheredLinear) calls batched (see
+    the module doc). Threads are made on first use, one per slot, and kept until close()."""
 
     def __init__(self, worker_context: Callable[[], ContextManager] = contextlib.nullcontext,
                  cpu: Optional[int] = None) -> None:
@@ -131,8 +150,7 @@ class CallGatherer:
 
     def _worker(self, slot: _Slot) -> None:
         _local.caller = _Caller(self, slot)
-        if self.cpus is not None:
-            os.sched_setaffinity(0, self.cpus)
+        _pinned(self.cpus)
         while True:
             slot.go.acquire()
             if self._closed:
@@ -174,7 +192,7 @@ class CallGatherer:
         self._back.acquire()
 
     def run(self, fns: Sequence[Callable[[], Any]]) -> List[Any]:
-        """fn() for each fn, their recurrent module calls batched; the results in order. If a pass
+        """fn() for each fn, their module calls batched; the results in order. If a pass
         raises, the passes still waiting are cancelled and the first error (in slot order) is raised
         once every pass has ended."""
         if self._closed:
@@ -190,9 +208,7 @@ class CallGatherer:
         for slot, fn in zip(slots, fns):
             slot.work, slot.call, slot.reply, slot.outcome = (fn, state), None, None, None
         self._running = True
-        saved = os.sched_getaffinity(0) if self.cpus is not None else None
-        if saved is not None:
-            os.sched_setaffinity(0, self.cpus)
+        saved = _pinned(self.cpus)
         try:
             waiting = slots
             while waiting:
@@ -211,8 +227,7 @@ class CallGatherer:
             raise
         finally:
             self._running = False
-            if saved is not None:
-                os.sched_setaffinity(0, saved)
+            _pinned(saved)
         errors = [s.outcome[1] for s in slots if not s.outcome[0]]
         if errors:
             real = [e for e in errors if not isinstance(e, GatherCancelled)]
@@ -245,3 +260,52 @@ class CallGatherer:
         for slot in self._slots:
             slot.thread.join(timeout=5)
         self._slots = []
+
+
+class GatheredLinear(nn.Linear):
+    """nn.Linear whose calls from gathered passes join one batch: the rows of every call's input
+    (any leading shape) are concatenated, multiplied once and split back, which is exact because
+    rows are independent. Elsewhere it is nn.Linear."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn.Linear's name
+        caller = active_caller()
+        if caller is not None:
+            return caller.call(self, (input,))
+        return F.linear(input, self.weight, self.bias)
+
+    def run_calls(self, calls: List[tuple]) -> List[tuple]:
+        """One (True, output) or (False, exception) per call (input,); inputs that cannot join the
+        first one's batch (another dtype or device, a wrong feature count) run alone, so they fail
+        or succeed exactly as they would."""
+        replies: List[Optional[tuple]] = [None] * len(calls)
+        joined: List[tuple] = []  # (call index, input)
+        for i, (x,) in enumerate(calls):
+            if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features and (
+                    not joined or (x.dtype, x.device) == (joined[0][1].dtype, joined[0][1].device)):
+                joined.append((i, x))
+                continue
+            try:
+                replies[i] = (True, F.linear(x, self.weight, self.bias))
+            except Exception as e:  # noqa: BLE001 - handed to the pass that made the call
+                replies[i] = (False, e)
+        if joined:
+            try:
+                rows = [x.reshape(-1, self.in_features) for _, x in joined]
+                out = F.linear(torch.cat(rows) if len(rows) > 1 else rows[0], self.weight, self.bias)
+                for (i, x), o in zip(joined, out.split([r.shape[0] for r in rows])):
+                    replies[i] = (True, o.reshape(*x.shape[:-1], self.out_features))
+            except Exception as e:  # noqa: BLE001 - the joined call failed: every call in it did
+                for i, _ in joined:
+                    replies[i] = (False, e)
+        return replies
+
+
+def gather_linear_calls(model: nn.Module) -> int:
+    """Makes every nn.Linear of `model` (exactly that class) a GatheredLinear, in place, keeping its
+    Parameter objects and state_dict keys. Returns how many it changed."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = GatheredLinear
+            count += 1
+    return count

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import GRU, LSTM
-from ..nn.gather import CallGatherer
+from ..nn.gather import CallGatherer, gather_linear_calls
 from .graphs import GRAPH_MEMORY_SHARE, PaddedGraphs, SampleGraphs, padded_length
 from .losses import PerSampleLoss, StepPass, forward_backward, stack_targets
 from .options import TrainerOptions
@@ -229,6 +229,10 @@ class DeviceRunner:
         lanes = opts.lanes or (min(opts.samples_per_device, MAX_LANES)
                                if self.plan == "per_sample" and self.cuda_graphs else 1)
         self.replicas.ensure_lanes(lanes)
+        if self.plan == "gathered":  # the heads' nn.Linear calls join batches too
+            for dev_lanes in self.replicas.lanes:
+                for lane in dev_lanes:
+                    gather_linear_calls(lane.module)
         self._make_caches()
 
     def _pass(self, lane: Lane) -> StepPass:
