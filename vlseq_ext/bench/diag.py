@@ -26,10 +26,10 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
       GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
       after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
   one_sample_plans (GPUs): one-sample LSTMs (hidden 256 x 2 layers, whose one-sample recurrence runs
-      in a cluster, and 1024 x 1, a grid) at k=32 on one GPU: their passes gathered into one batch per
-      recurrent call (pack=True) against per-sample graphs on 8 lanes (pack=False) and the plain
-      packed one-GPU loop of the same model as a list model; what pack="auto" chooses between the
-      first two follows it. {<model>: {gathered, sample_graphs, packed_loop}} samples/s.
+      in a cluster, and 1024 x 1, a grid) at k=32 on one GPU: their passes gathered (pack=True: one
+      batch per recurrent and per Linear call) against per-sample graphs on 8 lanes (pack=False) and
+      the plain packed one-GPU loop of the same model as a list model; pack="auto" takes the graphs
+      for a cluster and gathers for a grid. {<model>: {gathered, sample_graphs, packed_loop}} samples/s.
   limits (GPUs): what limits the sweep's hardest points: their profiles, step time against batch
       size, host threads issuing one GPU's graph launches, the GPU's rate of tiny kernels (limits.py).
 """

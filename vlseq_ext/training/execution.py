@@ -62,10 +62,9 @@ def gathers_calls(model: nn.Module) -> bool:
 def sample_graphs_overlap(model: nn.Module, device: torch.device) -> bool:
     """Whether the model's one-sample graph replays run side by side on `device`: each of its
     recurrent modules runs one sample in a thread-block cluster. Then k replays on lanes beat one
-    gathered batch, whose k eager passes cost ~0.3 ms of host time each; where one sample fills the
-    GPU they run one after the other. One H200, k=32 (BENCHMARKS.md, seventeenth session):
-    LSTM 256x2 per-sample graphs 4,400 samples/s, gathered 2,550-2,610; LSTM 1024 (a grid) 611
-    against 2,450-2,770."""
+    gathered batch, whose k eager passes are host-bound; where one sample fills the GPU they run one
+    after the other. One H200, k=32 (BENCHMARKS.md, seventeenth session): LSTM 256x2 per-sample
+    graphs 4,414 samples/s, gathered 2,339; LSTM 1024 (a grid) 610 against 2,901."""
     modules = [m for m in model.modules() if isinstance(m, (LSTM, GRU))]
     return bool(modules) and not any(m.fills_gpu_alone(device) for m in modules)
 
