@@ -228,11 +228,14 @@ class CallGatherer:
         finally:
             self._running = False
             _pinned(saved)
-        errors = [s.outcome[1] for s in slots if not s.outcome[0]]
+        outcomes = [s.outcome for s in slots]
+        for slot in slots:  # the slots keep nothing of this run (outputs, their graphs, errors)
+            slot.outcome = None
+        errors = [value for ok, value in outcomes if not ok]
         if errors:
             real = [e for e in errors if not isinstance(e, GatherCancelled)]
             raise (real or errors)[0]
-        return [s.outcome[1] for s in slots]
+        return [value for _, value in outcomes]
 
     def _run_calls(self, waiting: List[_Slot]) -> None:
         """Every waiting pass's call, one batch per module and modes (in the order of their first

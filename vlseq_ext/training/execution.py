@@ -9,7 +9,8 @@ Four plans, the same gradient (the float64 per-sample reference) either way:
   sets), whose gradients are then folded into lane 0;
 - "gathered": a model that takes one sample at a time and holds vlseq_ext.nn LSTM/GRU modules (the
   trainer swaps torch's in): k eager one-sample passes side by side whose recurrent calls run as one
-  batch with per-sample lengths (vlseq_ext.nn.gather), then one backward over their summed loss.
+  batch with per-sample lengths, and whose nn.Linear calls as one matmul (vlseq_ext.nn.gather), then
+  one backward over their summed loss.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import contextlib
 import functools
 import os
 import warnings
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -86,6 +88,14 @@ def recurrent_width(model: nn.Module) -> int:
     return max(widths, default=0)
 
 
+def autocast_context(amp: Optional[str], device_type: str):
+    """The forward's autocast: none, or bf16 for amp="bf16"."""
+    if amp is None:
+        return contextlib.nullcontext()
+    # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16, cache_enabled=False)
+
+
 class SlowPlanWarning(UserWarning):
     """The model can only run the slow way on this trainer: see the message for what would help."""
 
@@ -133,12 +143,19 @@ class DeviceRunner:
         self._gatherers = [None] * len(self.devices)
 
     def forward_each(self, d: int, module: nn.Module, inputs: List[Tensor]) -> List[Tensor]:
-        """module(x) for each one-sample input on device d: side by side with their recurrent calls
-        batched where the model allows it (gathers_calls), else one after the other."""
+        """module(x) for each one-sample input on device d: side by side with their recurrent (and
+        GatheredLinear) calls batched where the model allows it (gathers_calls), else one after the
+        other."""
         if len(inputs) < 2 or not gathers_calls(module):
             return [module(x) for x in inputs]
         if self._gatherers[d] is None:
-            self._gatherers[d] = CallGatherer(worker_context=self.autocast, cpu=pass_cpu(self.devices[d]))
+            gatherer = CallGatherer(worker_context=functools.partial(autocast_context, self.options.amp,
+                                                                     self.devices[0].type),
+                                    cpu=pass_cpu(self.devices[d]))
+            # Its threads hold it and it holds nothing of this runner: a trainer dropped without
+            # close() ends them too.
+            weakref.finalize(self, gatherer.close)
+            self._gatherers[d] = gatherer
         calls: List[Callable[[], Tensor]] = [functools.partial(module, x) for x in inputs]
         return self._gatherers[d].run(calls)
 
@@ -160,10 +177,7 @@ class DeviceRunner:
         return [c for c in [*self.sample_graphs[d], self.padded_graphs[d]] if c is not None]
 
     def autocast(self):
-        if self.options.amp is None:
-            return contextlib.nullcontext()
-        # No autocast weight cache: captured graphs must re-read the (updated) fp32 weights.
-        return torch.autocast(device_type=self.devices[0].type, dtype=torch.bfloat16, cache_enabled=False)
+        return autocast_context(self.options.amp, self.devices[0].type)
 
     def choose_plan(self, xs: List[Tensor]) -> str:
         """"padded" (graph per padded shape), "packed" (eager list batch), "gathered" (one-sample passes,
