@@ -104,6 +104,7 @@ def test_calls_of_any_shape_and_state_join_one_batch(rand, path):
     b = vnn.GRU(8, 5, batch_first=False)
     h0 = rand.randn(4, 2, 4), rand.randn(4, 2, 4)
     calls = [
+        lambda: (),                                                    # no call at all: done in the first round
         lambda: (a(rand_x[0]),),                                       # unbatched (L, D)
         lambda: (a(rand_x[1], h0, lengths=torch.tensor([6, 2])),),     # batch of 2, own lengths and state
         lambda: (a(rand_x[2]), b(a(rand_x[2])[0].transpose(0, 1))),    # two calls of a, then b
