@@ -272,6 +272,49 @@ def test_pinned_passes_restore_the_callers_cores_and_a_core_not_allowed_is_ignor
     assert seen[:3] == [{max(before)}] * 3 and seen[3:] == [before] * 3
 
 
+OPENMP_CHECK = """
+import os, threading, torch
+from vlseq_ext.nn import LSTM
+from vlseq_ext.nn.gather import CallGatherer
+torch.set_num_threads(2)
+core = max(os.sched_getaffinity(0))
+model = LSTM(2, 3)
+
+def pinned_threads():
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            n += [l for l in f if l.startswith("Cpus_allowed_list")][0].split()[1] == str(core)
+    return n
+
+def caller():  # a fresh thread: no OpenMP team yet
+    g = CallGatherer(cpu=core)
+    g.run([lambda: model(torch.randn(3, 2))[0]] * 2)
+    torch.ones(1 << 20).sum()  # its first parallel op after running pinned passes
+    print(pinned_threads())
+    g.close()
+
+t = threading.Thread(target=caller)
+t.start()
+t.join()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"), reason="needs Linux and two cores")
+def test_the_callers_openmp_team_is_not_made_on_the_pinned_core():
+    """Pinning the caller while it runs the passes must not leave its OpenMP team (made at its first
+    parallel region, inheriting its cores) on that one core: only the two pass threads are there."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", OPENMP_CHECK], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "2", proc.stdout
+
+
 def test_gathering_is_not_reentrant():
     g = CallGatherer()
     with pytest.raises(RuntimeError, match="inside a gathered pass"):

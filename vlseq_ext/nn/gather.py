@@ -29,7 +29,8 @@ would each run a few small kernels and autograd nodes.
 `cpu`: the core that the pass threads, and the caller while it runs them, are kept on. The turns
 are handed from thread to thread twice per pass and round; across cores each hand-over waits for
 the woken core (one H200 machine, 16 cores: 32 passes of one call took 4.6 ms of hand-overs on any
-core and 0.8 ms on one; seventeenth session). One core loses nothing: one pass runs at a time.
+core and 0.8 ms on one; seventeenth session). One core loses nothing: one pass runs at a time; but
+CPU-heavy work inside a pass (parallel CPU ops) runs on that one core too.
 """
 from __future__ import annotations
 
@@ -141,6 +142,7 @@ class CallGatherer:
         self._back.acquire()  # released by a worker when it stops or finishes
         self._closed = False
         self._running = False
+        self._pool_made = False
         self.joined_calls = 0  # batched module calls so far, and the pass calls they held
         self.gathered_calls = 0
 
@@ -205,6 +207,12 @@ class CallGatherer:
         self._ensure_slots(len(fns))
         slots = self._slots[:len(fns)]
         state = self._callers_state()
+        if self.cpus is not None and not self._pool_made:
+            # A thread's OpenMP team is made at its first parallel region and inherits the thread's
+            # cores: the caller's must exist before the caller is pinned below, or its later CPU ops
+            # would all run on one core. (A pass's own CPU ops do run on its one core.)
+            torch.ones(1 << 16).sum()
+            self._pool_made = True
         for slot, fn in zip(slots, fns):
             slot.work, slot.call, slot.reply, slot.outcome = (fn, state), None, None, None
         self._running = True
