@@ -365,12 +365,12 @@ def test_trainer_gathers_one_sample_models_on_cpu(rand, cell, bidirectional, red
     trainer.close()
 
 
-def test_a_dropped_trainer_ends_its_pass_threads():
+def test_a_dropped_trainer_ends_its_pass_threads(rand):
     import gc
     model = OneSample()
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu",
                               samples_per_device=3)
-    trainer.compute_gradients(*batch_of(3))
+    trainer.compute_gradients(*batch(rand, 3))
     threads = [s.thread for s in trainer.runner._gatherers[0]._slots]
     assert len(threads) == 3 and all(t.is_alive() for t in threads)
     del trainer
@@ -378,10 +378,6 @@ def test_a_dropped_trainer_ends_its_pass_threads():
     for t in threads:
         t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)
-
-
-def batch_of(n):
-    return [torch.randn(4 + i, 5) for i in range(n)], [torch.randn(1) for _ in range(n)]
 
 
 def test_trainer_plans_for_one_sample_models():
