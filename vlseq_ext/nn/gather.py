@@ -160,7 +160,9 @@ class CallGatherer:
             fn, (grad, stream) = slot.work
             try:
                 torch.set_grad_enabled(grad)
-                if stream is not None and stream is not slot.stream:  # this thread's own, kept between runs
+                # This thread's current stream stays between runs. (Compared by value: each
+                # current_stream() call gives a new Python object for the same stream.)
+                if stream is not None and stream != slot.stream:
                     torch.cuda.set_device(stream.device)
                     torch.cuda.set_stream(stream)
                     slot.stream = stream
