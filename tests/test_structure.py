@@ -1,10 +1,14 @@
 """The package's shape, as docs/design.md states it: the layer chain (no module imports from a higher
 layer, so no import cycle), module sizes, the one module that reads the environment, the one that
-talks to torch.distributed, and the file rules table with its tests."""
+talks to torch.distributed, the file rules table with its tests, and that every global name a module
+reads is defined in it (code that only runs on a GPU is not run here, so a name lost there would
+show only on the device)."""
 from __future__ import annotations
 
 import ast
+import builtins
 import re
+import symtable
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -88,6 +92,31 @@ def test_no_module_imports_from_a_higher_layer():
 
     for m in graph:
         visit(m, [])
+
+
+def undefined_globals(path: Path) -> Set[str]:
+    """Global names read in the module at `path` (at its top level or in any function, lambda or
+    class in it) that it neither assigns, imports nor defines, and that are not builtins."""
+    top = symtable.symtable(path.read_text(), str(path), "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    found: Set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for sym in table.get_symbols():
+            name = sym.get_name()
+            if sym.is_referenced() and (table is top or sym.is_global()) and name not in defined \
+                    and not hasattr(builtins, name) and name not in ("__file__", "__path__", "__spec__"):
+                found.add(f"{table.get_name()}: {name}")
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return found
+
+
+def test_every_global_name_a_module_reads_is_defined():
+    undefined = {module_name(p): u for p in sorted(PKG.rglob("*.py")) if (u := undefined_globals(p))}
+    assert not undefined, undefined
 
 
 def test_no_package_module_is_over_400_lines():

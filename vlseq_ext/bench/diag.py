@@ -260,6 +260,29 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     return out, []
 
 
+def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
+    from ..training.trainer import ParallelTrainer
+    from .sweep_points import ModelSpec, make_model
+    model = make_model(ModelSpec("lstm", 256, 2), "one").to(device)
+    trainer = ParallelTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), nn.MSELoss(),
+                              devices=[device], samples_per_device=32, lanes=n, process_group=None)
+    pool = make_pool(32, seed=2, pin=True)
+    lengths = sorted({x.shape[0] for x in pool[0]})[:8]
+    keep = [i for i, x in enumerate(pool[0]) if x.shape[0] in lengths]
+    pool = ([pool[0][i] for i in keep], [pool[1][i] for i in keep])
+    trainer.warmup(lengths)
+    feed = Feeder(pool)
+    sync = synchronizer([device])
+
+    def step() -> None:
+        trainer.step(*feed.next(32))
+    try:
+        ts = time_loop(step, sync, repeats=budget.merge_repeats, warmup=2, target_s=1.0, min_iters=3)
+    finally:
+        trainer.close()
+    res.set(f"diag.lanes.lanes{n}", 32 / statistics.median(ts))
+
+
 def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Budget) -> None:
     from torch.profiler import ProfilerActivity, profile
 
