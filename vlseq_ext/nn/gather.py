@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["CallGatherer", "GatheredLinear", "active_caller", "gather_linear_calls"]
+__all__ = ["CallGatherer", "GatheredLinear", "active_caller", "gather_linear_calls", "reply_calls"]
 
 _local = threading.local()
 
@@ -86,6 +86,35 @@ def _pinned(cpus: Optional[set]) -> Optional[set]:
         return saved
     except OSError:
         return None
+
+
+def reply_calls(calls: List[tuple], joins: Callable[[tuple, Any], Any], alone: Callable[[tuple], Any],
+                run_joined: Callable[[List[Any]], List[Any]]) -> List[tuple]:
+    """What a module's run_calls answers: one (True, result) or (False, exception) per call.
+    joins(call, first part or None) gives the call's part of the joined batch, or None when the call
+    must run alone (alone(call)); run_joined(parts) gives one result per part. An exception from joins
+    or alone fails that call only; one from run_joined fails every call in the batch."""
+    replies: List[Optional[tuple]] = [None] * len(calls)
+    parts: List[Any] = []
+    joined: List[int] = []
+    for i, call in enumerate(calls):
+        try:
+            part = joins(call, parts[0] if parts else None)
+            if part is None:
+                replies[i] = (True, alone(call))
+            else:
+                parts.append(part)
+                joined.append(i)
+        except Exception as e:  # noqa: BLE001 - handed to the pass that made this call
+            replies[i] = (False, e)
+    if parts:
+        try:
+            for i, result in zip(joined, run_joined(parts)):
+                replies[i] = (True, result)
+        except Exception as e:  # noqa: BLE001 - the joined call failed: every call in it did
+            for i in joined:
+                replies[i] = (False, e)
+    return replies
 
 
 class GatherCancelled(RuntimeError):
@@ -290,27 +319,17 @@ class GatheredLinear(nn.Linear):
         """One (True, output) or (False, exception) per call (input,); inputs that cannot join the
         first one's batch (another dtype or device, a wrong feature count) run alone, so they fail
         or succeed exactly as they would."""
-        replies: List[Optional[tuple]] = [None] * len(calls)
-        joined: List[tuple] = []  # (call index, input)
-        for i, (x,) in enumerate(calls):
-            if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features and (
-                    not joined or (x.dtype, x.device) == (joined[0][1].dtype, joined[0][1].device)):
-                joined.append((i, x))
-                continue
-            try:
-                replies[i] = (True, F.linear(x, self.weight, self.bias))
-            except Exception as e:  # noqa: BLE001 - handed to the pass that made the call
-                replies[i] = (False, e)
-        if joined:
-            try:
-                rows = [x.reshape(-1, self.in_features) for _, x in joined]
-                out = F.linear(torch.cat(rows) if len(rows) > 1 else rows[0], self.weight, self.bias)
-                for (i, x), o in zip(joined, out.split([r.shape[0] for r in rows])):
-                    replies[i] = (True, o.reshape(*x.shape[:-1], self.out_features))
-            except Exception as e:  # noqa: BLE001 - the joined call failed: every call in it did
-                for i, _ in joined:
-                    replies[i] = (False, e)
-        return replies
+        def joins(call: tuple, first: Optional[Tensor]) -> Optional[Tensor]:
+            x = call[0]
+            fits = isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
+            return x if fits and (first is None or (x.dtype, x.device) == (first.dtype, first.device)) else None
+
+        def run_joined(xs: List[Tensor]) -> List[Tensor]:
+            rows = [x.reshape(-1, self.in_features) for x in xs]
+            out = F.linear(torch.cat(rows) if len(rows) > 1 else rows[0], self.weight, self.bias)
+            return [o.reshape(*x.shape[:-1], self.out_features) for x, o in zip(xs, out.split([r.shape[0] for r in rows]))]
+
+        return reply_calls(calls, joins, lambda call: F.linear(call[0], self.weight, self.bias), run_joined)
 
 
 def gather_linear_calls(model: nn.Module) -> int:

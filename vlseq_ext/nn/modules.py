@@ -204,31 +204,22 @@ class _KernelRNN:
         (True, (output, state)) or (False, exception) per call: a call that fails its checks fails
         alone. PackedSequence calls, and calls whose dtype or device differ from the first
         tensor call's, run on their own."""
-        replies: List[Optional[tuple]] = [None] * len(calls)
-        batch = []  # (call index, x batch first, hx, lengths, unbatched)
-        for i, (input, hx, lengths) in enumerate(calls):
-            try:
-                if isinstance(input, PackedSequence) or (batch and (input.dtype, input.device) !=
-                                                         (batch[0][1].dtype, batch[0][1].device)):
-                    replies[i] = (True, self._run(input, hx, lengths))
-                    continue
-                x, h, n, unbatched = self._as_batch(input, hx, lengths)
-                if 0 in x.shape[:2]:  # no sample or no step: torch's own answer, as alone
-                    replies[i] = (True, self._run(input, hx, lengths))
-                    continue
-                self._check_state(h, x.shape[0], x)
-                batch.append((i, x, h, n, unbatched))
-            except Exception as e:  # noqa: BLE001 - handed to the caller that made this call
-                replies[i] = (False, e)
-        if batch:
-            try:
-                results = self._run_joined([b[1:4] for b in batch])
-                for (i, *_, unbatched), (out, state) in zip(batch, results):
-                    replies[i] = (True, self._as_given(out, state, unbatched))
-            except Exception as e:  # noqa: BLE001 - the joined call failed: every call in it did
-                for i, *_ in batch:
-                    replies[i] = (False, e)
-        return replies
+        def joins(call: tuple, first: Optional[tuple]) -> Optional[tuple]:
+            input, hx, lengths = call
+            if isinstance(input, PackedSequence) or (first is not None and (input.dtype, input.device) !=
+                                                     (first[0].dtype, first[0].device)):
+                return None
+            x, h, n, unbatched = self._as_batch(input, hx, lengths)
+            if 0 in x.shape[:2]:  # no sample or no step: torch's own answer, as alone
+                return None
+            self._check_state(h, x.shape[0], x)
+            return x, h, n, unbatched
+
+        def run_joined(parts: List[tuple]) -> List[tuple]:
+            results = self._run_joined([part[:3] for part in parts])
+            return [self._as_given(out, state, part[3]) for part, (out, state) in zip(parts, results)]
+
+        return gather.reply_calls(calls, joins, lambda call: self._run(*call), run_joined)
 
     def _run_joined(self, parts: List[tuple]) -> List[tuple]:
         """[(x (B_i, T_i, features), hx or None, lengths or None)] as one batch of sum(B_i) samples
