@@ -272,15 +272,10 @@ def lanes(res: Results, device: torch.device, n: int, budget: Budget) -> None:
     pool = ([pool[0][i] for i in keep], [pool[1][i] for i in keep])
     trainer.warmup(lengths)
     feed = Feeder(pool)
-    sync = synchronizer([device])
 
     def step() -> None:
         trainer.step(*feed.next(32))
-    try:
-        ts = time_loop(step, sync, repeats=budget.merge_repeats, warmup=2, target_s=1.0, min_iters=3)
-    finally:
-        trainer.close()
-    res.set(f"diag.lanes.lanes{n}", 32 / statistics.median(ts))
+    res.set(f"diag.lanes.lanes{n}", plans.samples_per_s(step, device, 32, budget, trainer))
 
 
 def trainer_phases(res: Results, devices: List[torch.device], k: int, budget: Budget) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ def measure(res: Results, device: torch.device, spec: ModelSpec, method: str, bu
     """samples/s of one method at K samples per step on `device` (synchronized loops, median)."""
     from ..training.trainer import ParallelTrainer
     pool = make_pool(POOL, pin=True)
-    feed, sync = Feeder(pool), synchronizer([device])
+    feed = Feeder(pool)
     trainer = None
     if method == "packed_loop":
         model = make_model(spec, "list").to(device)
@@ -47,12 +47,19 @@ def measure(res: Results, device: torch.device, spec: ModelSpec, method: str, bu
 
         def step() -> None:
             trainer.step(*feed.next(K))
+    res.set(f"diag.one_sample_plans.{spec.name}.{method}", samples_per_s(step, device, K, budget, trainer))
+
+
+def samples_per_s(step: Callable[[], None], device: torch.device, k: int, budget: Budget, trainer: Any = None) -> float:
+    """k / the median time of `step` (synchronized loops of ~1 s after 2 warm-up steps); closes
+    `trainer`, if given, whatever happens."""
     try:
-        ts = time_loop(step, sync, repeats=budget.merge_repeats, warmup=2, target_s=1.0, min_iters=3)
+        ts = time_loop(step, synchronizer([device]), repeats=budget.merge_repeats, warmup=2, target_s=1.0,
+                       min_iters=3)
     finally:
         if trainer is not None:
             trainer.close()
-    res.set(f"diag.one_sample_plans.{spec.name}.{method}", K / statistics.median(ts))
+    return k / statistics.median(ts)
 
 
 def markdown_lines(plans: Dict[str, Any]) -> List[str]:
