@@ -290,9 +290,7 @@ class DeviceRunner:
         elif self.plan == "packed" and len(xs) > 1:
             self._eager(d, 0, xs, ys)
         elif self.plan == "gathered" and len(xs) > 1:
-            ln = self.replicas.lanes[d][0]
-            inputs = [x.to(self.devices[d], dtype=ln.params[0].dtype, non_blocking=True) for x in xs]
-            self._pass(ln)(lambda: torch.cat(self.forward_each(d, ln.module, inputs)), self._stack(d, ys))
+            self._eager(d, 0, xs, ys, gathered=True)
         else:
             self._per_sample(d, xs, ys)
 
@@ -328,9 +326,16 @@ class DeviceRunner:
         if n > 1:
             self.replicas.fold_lanes(d)
 
-    def _eager(self, d: int, lane: int, xs: List[Tensor], ys: List[Tensor]) -> None:
-        """Eager forward + backward of one sample or one packed list on lane `lane` of device d."""
+    def _eager(self, d: int, lane: int, xs: List[Tensor], ys: List[Tensor], gathered: bool = False) -> None:
+        """Eager forward + backward on lane `lane` of device d: of one sample, one packed list, or
+        (gathered) the samples' one-sample passes with their calls batched."""
         ln = self.replicas.lanes[d][lane]
         dev, dtype = self.devices[d], ln.params[0].dtype
         inputs = [x.to(dev, dtype=dtype, non_blocking=True) for x in xs]
-        self._pass(ln)(lambda: ln.module(inputs[0] if len(inputs) == 1 else inputs), self._stack(d, ys))
+        if gathered:
+            def forward() -> Tensor:
+                return torch.cat(self.forward_each(d, ln.module, inputs))
+        else:
+            def forward() -> Tensor:
+                return ln.module(inputs[0] if len(inputs) == 1 else inputs)
+        self._pass(ln)(forward, self._stack(d, ys))
