@@ -26,8 +26,8 @@ A pass's nn.Linear calls can join batches too (gather_linear_calls swaps the mod
 GatheredLinear): its head then runs once for all passes, and so does its backward, where k heads
 would each run a few small kernels and autograd nodes.
 
-`cpu`: the core that the pass threads, and the caller while it runs them, are kept on. The turns
-are handed from thread to thread twice per pass and round; across cores each hand-over waits for
+`cpu`: the core that the pass threads, and the caller while it runs them, are kept on. Each round
+hands the turn from the caller to each pass in order and back; across cores each hand-over waits for
 the woken core (one H200 machine, 16 cores: 32 passes of one call took 4.6 ms of hand-overs on any
 core and 0.8 ms on one; seventeenth session). One core loses nothing: one pass runs at a time; but
 CPU-heavy work inside a pass (parallel CPU ops) runs on that one core too.
