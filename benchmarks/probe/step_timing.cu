@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
   static const char* bnames[] = {"wait+sync", "sum-in+cell+sync", "matvec+deliver", "arrive", "stores+prefetch", "wait"};
   static const char* fused_names[] = {"products", "cell+send", "stores+prefetch", "wait"};
   const int Kp = (H + 3) / 4 * 4, Kb = 4 * H;
-  const bool fused = !bf16 && fits_fused(G, H, hs, B, bt, nc == 1);
+  const bool wide = !bf16 && !fits_fused(G, H, hs, B, bt, nc == 1) && fits_fused(G, H, hs, B, bt, nc == 1, true);
+  const bool fused = !bf16 && (wide || fits_fused(G, H, hs, B, bt, nc == 1));
   if (nc > kMaxCluster) {  // the grid kernels
     g.sync = Sync::kGrid;
     cudaDeviceProp p;
@@ -179,8 +180,8 @@ int main(int argc, char** argv) {
   }
   for (bool f : {false, true}) {
     if (f && !fused) continue;
-    if (f) printf(" fused:\n");
-    launch(forward_kernel(cell, wt, bt, f, nc == 1), fa, blocks, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
+    if (f) printf(wide ? " fused (wide):\n" : " fused:\n");
+    launch(forward_kernel(cell, wt, bt, f, nc == 1, wide), fa, blocks, nc, f ? FusedSmem(g, Kp, bt).total : ForwardSmem(g, G, wbytes, bt).total);
     report(0, f ? 4 : 7, T, f ? fused_names : fnames);
   }
   float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
@@ -189,8 +190,8 @@ int main(int argc, char** argv) {
                   lstm ? nullptr : dghn, dh0, lstm ? dc0 : nullptr, nullptr, nullptr};
   for (bool f : {false, true}) {
     if (f && !fused) continue;
-    if (f) printf(" fused:\n");
-    launch(backward_kernel(cell, wt, bt, f, nc == 1), ba, blocks, nc,
+    if (f) printf(wide ? " fused (wide):\n" : " fused:\n");
+    launch(backward_kernel(cell, wt, bt, f, nc == 1, wide), ba, blocks, nc,
            f ? FusedSmem(g, Kb, bt).total : BackwardSmem(g, G, wbytes, bt, backward_fields(cell)).total);
     report(1, f ? 4 : 6, T, f ? fused_names : bnames);
   }

@@ -40,6 +40,7 @@ struct LayerPlan {
   // (rnn_scatter_kernel.cuh). On the grid layout, fused_forward / fused_backward: W_hh in registers
   // (rnn_forward_grid_regs_kernel, rnn_backward_grid_regs_kernel).
   bool fused_forward = false, fused_backward = false, scatter_backward = false;
+  bool wide = false;  // cluster, fused: the kernels with twice the chunks per lane (fused_chunks)
   int64_t smem_forward = 0, smem_backward = 0;
   int regs_rows = 0, regs_chunks = 0;  // grid, fused_forward: rows and float4 chunks of W_hh per thread
   // Grid, weights tf32: the direction's products on the tensor cores (rnn_grid_tf32_kernels.cuh; then

@@ -176,7 +176,11 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
     const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
     // Each direction on the fused kernel where it fits, or the generic one (they share only global
     // tensors): the pair with the fewest clocks.
-    const bool can_fuse = w == Weights::kFP32 && fits_fused(G, H, hs, bs, bt, sync == Sync::kLocal);
+    const bool local = sync == Sync::kLocal;
+    // The wide kernels where only they hold the block's units (the plain ones need fewer registers).
+    const bool wide = w == Weights::kFP32 && !fits_fused(G, H, hs, bs, bt, local) &&
+                      fits_fused(G, H, hs, bs, bt, local, true);
+    const bool can_fuse = w == Weights::kFP32 && (wide || fits_fused(G, H, hs, bs, bt, local));
     const bool can_scatter = w == Weights::kFP32 && fits_scatter(H, hs, bs, bt);
     const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
     if (!can_fuse && !can_scatter && std::max(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
@@ -188,8 +192,8 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
       const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
       const int64_t bwd = sb ? ScatterSmem(g, bt).total : fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
       if (std::max(fwd, bwd) > optin) continue;
-      const void* fk = forward_kernel(cell, w, bt, ff, sync == Sync::kLocal);
-      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb, sync == Sync::kLocal);
+      const void* fk = forward_kernel(cell, w, bt, ff, local, wide);
+      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb, local, wide);
       prepare(fk, device, p.sharedMemPerBlockOptin);
       prepare(bk, device, p.sharedMemPerBlockOptin);
       const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
@@ -204,7 +208,8 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
                                         direction_clocks(true, bwd_kernel, sync, G, hs, H, bs, bt, nc, wbytes));
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, sb, fwd, bwd};
+        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, sb, wide && (ff || fb),
+                              fwd, bwd};
         found = true;
       }
     }
@@ -274,7 +279,7 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       if (!best.plan.ok || clocks < best.clocks) {
         best.clocks = clocks;
         best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
-                              regs || btf32, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
+                              regs || btf32, false, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
         found = true;
       }
     }
@@ -355,7 +360,8 @@ std::string LayerPlan::describe() const {
               ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
                     (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
                     (fused_backward || scatter_backward ? "backward" : "") + ")" +
-                    (scatter_backward ? ", the backward by reduce-scatter" : "")
+                    (scatter_backward ? ", the backward by reduce-scatter" : "") +
+                    (wide ? ", 8 chunks a lane" : "")
               : "") +
          ", shared memory " +
          std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
@@ -443,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   launch(plan.tf32_forward ? tf32_forward_kernel(plan, z)
          : grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
-                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward, local),
+                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward, local, plan.wide),
          a, plan, plan.smem_forward,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
@@ -503,7 +509,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
          : grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
          : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
          : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
-                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward, local),
+                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward, local, plan.wide),
          a, plan, plan.smem_backward,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};

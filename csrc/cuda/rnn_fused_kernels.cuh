@@ -27,7 +27,8 @@
 //             needs no second pass; a send costs about a clock whatever its width, hence the float4).
 // A single block of one or two samples (fused_few_workers) runs on its first 4 warps with 8 chunks per
 // lane and row, and its backward gives each ks lanes two units (FusedThread, U = 2); the other warps
-// leave after the set-up.
+// leave after the set-up. A wide cluster block (kWide, tiles of 1-2 samples) also holds 8 chunks per
+// lane and row, so that a layer fits in half the blocks (LSTM 256: 8, 32 units a block).
 //
 // Why no barrier per step is needed (cluster; a single block has one barrier per step, named barrier 1
 // over its warps with a unit: every thread that reads or writes the exchange buffers after the set-up)
@@ -209,11 +210,11 @@ __device__ __forceinline__ void worker_barrier(int threads) {
 
 // kLocal: the single-block layout (Sync::kLocal), whose step's outputs and next loads issue under the
 // next step's products (below).
-template <Cell C, bool kLocal, int BT>
+template <Cell C, bool kLocal, int BT, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_fused_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
-  constexpr int kChunks = fused_chunks(kLocal, BT);
+  constexpr int kChunks = fused_chunks(kLocal, BT, kWide);
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, GH = G * H, Kp = round_up(H, 4), k4n = Kp / 4;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -525,13 +526,13 @@ struct BackwardRows {
   }
 };
 
-template <Cell C, bool kLocal, int BT>  // kLocal: as the forward's
+template <Cell C, bool kLocal, int BT, bool kWide = false>  // kLocal, kWide: as the forward's
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int F = backward_fields(C);
-  constexpr int U = fused_units(kLocal, BT);               // units a lane multiplies (FusedThread)
-  constexpr int NW = 4 * fused_chunks(kLocal, BT) / U;  // chunks of each unit's column a lane holds
+  constexpr int U = fused_units(kLocal, BT);                   // units a lane multiplies (FusedThread)
+  constexpr int NW = 4 * fused_chunks(kLocal, BT, kWide) / U;  // chunks of each unit's column a lane holds
   const Geometry& g = a.g;
   const int H = g.H, T = g.T, Kb = 4 * H, k4n = H;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -726,9 +727,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     case 4: return (const void*)KERNEL<__VA_ARGS__, 4>;   \
     default: return (const void*)KERNEL<__VA_ARGS__, 8>;  \
   }
+#define VLSEQ_RNN_WIDE_SWITCH(KERNEL, C)                         \
+  switch (bt) {                                                  \
+    case 1: return (const void*)KERNEL<C, false, 1, true>;       \
+    default: return (const void*)KERNEL<C, false, 2, true>;      \
+  }
+static_assert(kWideMaxTile == 2, "VLSEQ_RNN_WIDE_SWITCH builds tiles 1 and 2");
 #define VLSEQ_RNN_KERNEL_TABLE(NAME, GENERIC, FUSED)                                  \
-  const void* NAME(Cell c, Weights w, int bt, bool fused, bool local) {               \
+  const void* NAME(Cell c, Weights w, int bt, bool fused, bool local, bool wide) {    \
     const bool lstm = c == Cell::kLSTM;                                               \
+    if (fused && wide && lstm) VLSEQ_RNN_WIDE_SWITCH(FUSED, Cell::kLSTM)              \
+    if (fused && wide) VLSEQ_RNN_WIDE_SWITCH(FUSED, Cell::kGRU)                       \
     if (fused && lstm && local) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM, true)         \
     if (fused && lstm) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kLSTM, false)                 \
     if (fused && local) VLSEQ_RNN_BT_SWITCH(FUSED, Cell::kGRU, true)                  \

@@ -181,9 +181,15 @@ __host__ __device__ constexpr bool fused_few_workers(bool local, int bt) { retur
 __host__ __device__ constexpr int fused_workers(bool local, int bt) {
   return fused_few_workers(local, bt) ? kThreads / 2 : kThreads;
 }
-__host__ __device__ constexpr int fused_chunks(bool local, int bt) {
-  return fused_few_workers(local, bt) ? 2 * kFusedChunks : kFusedChunks;
+// `wide`: a cluster block holding twice the chunks (fused_wide_fits), so that a layer fits in half the
+// blocks: LSTM 256 fp32 in 8, where a one-sample pass beside others is bound by the SMs its clusters
+// hold (BENCHMARKS.md, eighteenth session), not by its step.
+__host__ __device__ constexpr int fused_chunks(bool local, int bt, bool wide = false) {
+  return fused_few_workers(local, bt) || wide ? 2 * kFusedChunks : kFusedChunks;
 }
+// The wide cluster kernels are built for batch tiles of 1 and 2 only (each lane's registers hold twice
+// the weights; wider tiles would add their sums to that).
+constexpr int kWideMaxTile = 2;
 // The backward's units per lane group (FusedThread): with few workers each lane multiplies two units'
 // columns, so that each chunk of gate gradients it reads from shared memory serves both (the products
 // read half as much; they had been bound by shared-memory wavefronts: hidden 64 backward step 1,362 ->
@@ -194,8 +200,9 @@ __host__ __device__ inline int fused_lanes(int hs, int workers) {
   while (ks < 32 && hs * ks * 2 <= workers) ks *= 2;
   return ks;
 }
-__host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt, bool local) {
-  const int workers = fused_workers(local, bt), chunks = fused_chunks(local, bt), U = fused_units(local, bt);
+__host__ __device__ inline bool fits_fused(int G, int H, int hs, int bs, int bt, bool local, bool wide = false) {
+  if (wide && (local || bt > kWideMaxTile)) return false;
+  const int workers = fused_workers(local, bt), chunks = fused_chunks(local, bt, wide), U = fused_units(local, bt);
   const int ks = fused_lanes(hs, workers), ksb = fused_lanes(ceil_div(hs, U), workers);  // forward, backward
   return bs <= bt && hs * ks <= workers && ks >= bt && ceil_div(round_up(H, 4) / 4, ks) <= chunks &&
          ceil_div(hs, U) * ksb <= workers && ksb / U >= bt && ceil_div(H, ksb) <= 4 * chunks / U;
@@ -238,9 +245,9 @@ struct ScatterSmem {
 // The kernel for a cell, weight precision and batch tile (1, 2, 4 or 8), as a launchable pointer
 // (rnn_forward.cu, rnn_backward.cu instantiate them with VLSEQ_RNN_KERNEL_TABLE). `fused`: the fused
 // kernel (fp32; fits_fused says when it applies), else the generic one; `local`: the fused kernel's
-// single-block form (Sync::kLocal).
-const void* forward_kernel(Cell c, Weights w, int bt, bool fused, bool local);
-const void* backward_kernel(Cell c, Weights w, int bt, bool fused, bool local);
+// single-block form (Sync::kLocal); `wide`: its cluster form with twice the chunks (fused_chunks).
+const void* forward_kernel(Cell c, Weights w, int bt, bool fused, bool local, bool wide);
+const void* backward_kernel(Cell c, Weights w, int bt, bool fused, bool local, bool wide);
 const void* backward_scatter_kernel(Cell c, int bt);  // rnn_backward_scatter.cu (fp32)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
