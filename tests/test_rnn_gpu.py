@@ -133,23 +133,28 @@ def test_one_sample_layers_run_fused(rand, cls, H, bidirectional):
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_several_samples_per_block_run_fused(rand, cls):
-    """A bidirectional layer of 8 samples, each direction on half the GPU (4 clusters of 16): two
-    fp32 samples per block on the fused kernels, lengths that end at different steps."""
-    half = torch.cuda.get_device_properties(0).multi_processor_count // 2
-    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 8, "fp32", DEV, max_blocks=half)
+    """A bidirectional layer of 8 samples within 64 SMs (concurrency.sm_budget), each direction on 32:
+    several fp32 samples per block on the fused kernels (the whole GPU's half would run one sample a
+    block on 8-block clusters), lengths that end at different steps."""
+    from vlseq_ext.nn import concurrency
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 8, "fp32", DEV, max_blocks=32)
     assert "fused cell and W_hh in registers (forward" in plan and " 1 samples per block" not in plan, plan
-    compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
+    with concurrency.sm_budget(64):
+        compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
     """13 samples on the fused kernels with several per block, the backward by reduce-scatter: the
     kernels deal them out longest first (a last round that reaches only some groups) and multiply and
-    send only the samples still running, so the lengths tie, end at 1, and differ within every group."""
-    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV)
+    send only the samples still running, so the lengths tie, end at 1, and differ within every group.
+    Within 32 SMs (concurrency.sm_budget): the whole GPU runs 13 samples one a block on 8-block clusters."""
+    from vlseq_ext.nn import concurrency
+    plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV, max_blocks=32)
     assert "fused cell and W_hh in registers (forward and backward), the backward by reduce-scatter" in plan \
         and " 1 samples per block" not in plan, plan
-    compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
+    with concurrency.sm_budget(32):
+        compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
 
 
 def test_wide_bidirectional_batch_32_lengths_50_to_500(rand):
@@ -201,6 +206,38 @@ def test_plans_within_a_block_budget(B):
     assert m and int(m.group(1)) * int(m.group(2)) <= half, plan
     if B == 1:
         assert ops.rnn_plan("lstm", 256, B, "fp32", DEV, max_blocks=8).startswith("cluster 8 blocks x 1 groups")
+
+
+@pytest.mark.parametrize("cell,H,lens,reverse", [("lstm", 256, (300,), False), ("gru", 256, (300,), True),
+                                                  ("lstm", 200, (37, 120), True), ("gru", 256, (1, 90), False)])
+def test_op_wide_cluster_against_the_cpu_op(rand, cell, H, lens, reverse):
+    """Within 8 SMs a layer of hidden 200-256 runs on the wide fused kernels (8 blocks, 8 chunks a lane;
+    tiles of one and two samples): every output and gradient against the CPU kernels."""
+    plan = ops.rnn_plan(cell, H, len(lens), "fp32", DEV, max_blocks=8)
+    assert plan.startswith("cluster 8 blocks x 1 groups") and "8 chunks a lane" in plan, plan
+    compare_ops_with_cpu(rand, cell, lens, max(lens), H, reverse, max_blocks=8)
+
+
+@pytest.mark.parametrize("cls,H,B,layers,bidirectional", [(nn.LSTM, 256, 1, 2, False), (nn.GRU, 256, 2, 3, False),
+                                                          (nn.LSTM, 200, 2, 1, True)])
+def test_modules_within_an_sm_budget(rand, cls, H, B, layers, bidirectional):
+    """Inside concurrency.sm_budget(16) (a per-sample lane's share at 8 lanes) a stack plans its
+    launches within the 16 SMs: two layers pipelined on 8 blocks each, a third on its own; a
+    bidirectional layer's directions on 8 each. Against float64, and the same bits in a graph replay."""
+    from vlseq_ext.nn import concurrency
+    lengths = (300,) if B == 1 else (300, 41)
+    with concurrency.sm_budget(16):
+        mod, x, lens, hx = compare(rand, cls, 36, H, layers=layers, bidirectional=bidirectional, lengths=lengths)
+        layout = mod._layout(x.to(DEV), B, 300)
+        want = ({"chunks": 1, "side_by_side_blocks": 8, "max_blocks": 0} if bidirectional else
+                {"chunks": 6, "side_by_side_blocks": 0, "max_blocks": 8} if layers == 2 else
+                {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 16})  # 3 layers: no fused layout in 5 blocks
+        assert layout == want, layout
+        x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
+        dirs = 2 if bidirectional else 1
+        up = [rand.randn(B, 300, dirs * H, device=DEV)] + \
+            [rand.randn(layers * dirs, B, H, device=DEV) for _ in range(2 if cls is nn.LSTM else 1)]
+        replay_equals(mod, x, lens, hx, up, run_and_grads(mod, x, lens, hx, up))
 
 
 def test_too_large_falls_back_with_one_warning(rand):
@@ -283,12 +320,12 @@ def test_pipelined_stack_against_float64_and_in_a_graph(rand, cls):
     (the windows' own cases, lengths ending inside and at their edges, are tested on the CPU)."""
     lengths = (200,)
     mod, x, lens, hx = compare(rand, cls, 12, 256, layers=3, lengths=lengths)
-    assert mod._chunks(x.to(DEV), len(lengths), 200) == 4
+    assert mod._layout(x.to(DEV), len(lengths), 200)["chunks"] == 4
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)  # nothing is copied from the host in the capture
     up = [rand.randn(len(lengths), 200, 256, device=DEV)] + \
         [rand.randn(3, len(lengths), 256, device=DEV) for _ in range(2 if cls is nn.LSTM else 1)]
     single = copy.deepcopy(mod)
-    single._chunks = lambda *args: 1
+    single._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
     piped = run_and_grads(mod, x, lens, hx, up)
     for a, b in zip(piped[0] + piped[1], sum(run_and_grads(single, x, lens, hx, up), [])):
         assert ((a - b).norm() / b.norm()).item() <= 1e-6
@@ -310,7 +347,7 @@ def test_directions_side_by_side(rand):
     lengths = (150, 1, 77, 149)
     mod, x, lens, hx = compare(rand, nn.GRU, 12, 256, layers=2, bidirectional=True, lengths=lengths)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
-    assert mod._side_by_side(x, len(lengths))
+    assert mod._layout(x, len(lengths), 150)["side_by_side_blocks"]
     up = [rand.randn(len(lengths), 150, 512, device=DEV), rand.randn(4, len(lengths), 256, device=DEV)]
     first = run_and_grads(mod, x, lens, hx, up)
     again = run_and_grads(mod, x, lens, hx, up)
@@ -571,3 +608,54 @@ def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
     for a, b in zip(grads["vlseq"], grads["cudnn"]):
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
         assert err < 1e-5, err
+
+
+def test_per_sample_lanes_plan_within_their_share(rand, monkeypatch):
+    """The trainer's per-sample lanes (8, a one-sample LSTM 256 x 2 as graphs) run each pass within
+    its share of the SMs (sm_count // 8): a sample long enough to pipeline runs its two layers side by
+    side on half the share each (the wide kernels at 8 blocks on an H200), a short one one layer at a
+    time within the share. The gradient is cuDNN's."""
+    from vlseq_ext import ParallelTrainer
+    from vlseq_ext.nn import functional
+
+    class OneSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(36, 256, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(256, 1)
+
+        def forward(self, x):
+            return self.fc(self.lstm(x.unsqueeze(0))[1][0][-1])
+
+    from vlseq_ext.nn import concurrency
+    share = torch.cuda.get_device_properties(0).multi_processor_count // 8
+    layouts = []
+    real = functional.rnn
+
+    def spy(*args, **kw):  # (the trainer's probes of the model run outside the lanes: no budget)
+        if concurrency.budget():
+            assert concurrency.budget() == share
+            layouts.append((args[1].shape[1], kw))
+        return real(*args, **kw)
+    monkeypatch.setattr(functional, "rnn", spy)
+    lengths = (250, 40, 130, 7, 96, 200, 1, 61)
+    xs = [rand.randn(n, 36) for n in lengths]
+    ys = [rand.randn(1) for _ in lengths]
+    grads = {}
+    for kernels in ("vlseq", "cudnn"):
+        torch.manual_seed(rand.seed % 2**31)
+        model = OneSample().to(DEV)
+        trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), devices="cuda:0",
+                                  samples_per_device=8, rnn_kernels=kernels, pack=False, lanes=8)
+        for _ in range(3):
+            trainer.compute_gradients(xs, ys)
+        grads[kernels] = [p.grad.detach().double().cpu().clone() for p in model.parameters()]
+        trainer.close()
+    for a, b in zip(grads["vlseq"], grads["cudnn"]):
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, err
+    assert {T for T, _ in layouts} == set(lengths)
+    for T, kw in layouts:
+        piped = T >= 2 * 48 and "fused" in ops.rnn_plan("lstm", 256, 1, "fp32", DEV, share // 2)
+        want = {"chunks": min(8, T // 48), "max_blocks": share // 2} if piped else {"chunks": 1, "max_blocks": share}
+        assert {k: kw[k] for k in want} == want, (T, kw)

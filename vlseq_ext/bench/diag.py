@@ -23,11 +23,11 @@ Sections (results under `diag.`; a section that does not apply is skipped with t
       busy time per step. {k<K>: {steps, wall_us_per_step, host_us_per_step: {range: us},
       busy_us_per_step: {device: us}}}.
   lanes (GPUs): one-sample LSTM (hidden 256, 2 layers; the seed's forward(x) style) at k=32 on one
-      GPU, with 1, 2, 4 and 8 lanes (concurrent per-sample graph replays on their own streams),
+      GPU, with 1, 4, 8 and 16 lanes (concurrent per-sample graph replays on their own streams),
       after warm-up over a pool of 8 lengths. {lanes<N>: samples_per_s}.
   one_sample_plans (GPUs): one-sample LSTMs (hidden 256 x 2 layers, whose one-sample recurrence runs
       in a cluster, and 1024 x 1, a grid) at k=32 on one GPU: their passes gathered (pack=True: one
-      batch per recurrent and per Linear call) against per-sample graphs on 8 lanes (pack=False) and
+      batch per recurrent and per Linear call) against per-sample graphs on 16 lanes (pack=False) and
       the plain packed one-GPU loop of the same model as a list model; pack="auto" takes the graphs
       for a cluster and gathers for a grid. {<model>: {gathered, sample_graphs, packed_loop}} samples/s.
   limits (GPUs): what limits the sweep's hardest points: their profiles, step time against batch
@@ -249,7 +249,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     # -- trainer phases --------------------------------------------------------------------------
     for k in ((1, 32) if cuda else (1, 4)):
         add(f"diag.trainer_phases.k{k}", lambda k=k: trainer_phases(res, devices, k, budget))
-    for n in (1, 2, 4, 8):
+    for n in (1, 4, 8, 16):
         key = f"diag.lanes.lanes{n}"
         if cuda:
             add(key, lambda n=n: lanes(res, devices[0], n, budget))

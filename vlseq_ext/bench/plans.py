@@ -68,6 +68,6 @@ def markdown_lines(plans: Dict[str, Any]) -> List[str]:
         return []
     return (["", f"## Diagnostics: one-sample models at k={K}, one GPU (samples/s)", "",
              "gathered: the passes' recurrent and Linear calls as one batch each (pack=True); sample_graphs: per-sample graphs on "
-             "8 lanes (pack=False); packed_loop: the plain one-GPU loop of the list model.", "",
+             "16 lanes (pack=False); packed_loop: the plain one-GPU loop of the list model.", "",
              "| model | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
             + [f"| {m} | " + " | ".join(fmt(v.get(x)) for x in METHODS) + " |" for m, v in plans.items()])

@@ -12,8 +12,8 @@ from typing import Callable, List
 import torch
 from torch import Tensor
 
-__all__ = ["pipeline_chunks", "side_by_side", "direction_blocks", "sm_count", "streams_for", "on", "record", "fork",
-           "join", "settle"]
+__all__ = ["pipeline_chunks", "side_by_side", "direction_blocks", "sm_count", "sm_budget", "budget", "streams_for", "on",
+           "record", "fork", "join", "settle"]
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
 # each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
@@ -22,14 +22,16 @@ PIPELINE_MIN_STEPS = 48
 PIPELINE_MAX_CHUNKS = 8
 
 
-def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
+def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int, budgeted: bool = False) -> int:
     """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
     only when the launches of all layers (`plan`, from ops.rnn_plan: one block per SM) take at most
     half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
     find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
-    for the grid layout, whose cooperative launch needs its whole grid resident."""
+    for the grid layout, whose cooperative launch needs its whole grid resident. `budgeted`:
+    `sm_count` is a pass's share beside other passes (sm_budget), whose work fills the other SMs, so
+    the layers may take all of it."""
     blocks = _blocks(plan)
-    if layers < 2 or not blocks or blocks * layers > sm_count // 2:
+    if layers < 2 or not blocks or blocks * layers > (sm_count if budgeted else sm_count // 2):
         return 1
     return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
 
@@ -54,6 +56,30 @@ def direction_blocks(plan_for: Callable[[int], str], sms: int) -> int:
 def sm_count(device: torch.device) -> int:
     """The SMs of a CUDA device (one block of a plan per SM)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_budget = threading.local()
+
+
+@contextlib.contextmanager
+def sm_budget(blocks: int):
+    """The vlseq_ext.nn LSTM/GRU calls made on this thread inside plan their launches for at most
+    `blocks` SMs (a stack pipelined over its layers: that many for all of them together; 0: the
+    whole GPU), where a plan fits in them. For passes that run side by side (the trainer's per-sample
+    lanes): their throughput is bound by the SMs their clusters hold, and a layout of fewer blocks
+    costs less SM time per sample (LSTM 256: 8 blocks of 32 units against 16 of 16; BENCHMARKS.md,
+    eighteenth session). What runs is fixed when the forward runs: its backward keeps it."""
+    before = budget()
+    _budget.blocks = max(0, int(blocks))
+    try:
+        yield
+    finally:
+        _budget.blocks = before
+
+
+def budget() -> int:
+    """This thread's sm_budget (0: none)."""
+    return getattr(_budget, "blocks", 0)
 
 
 def _blocks(plan: str) -> int:

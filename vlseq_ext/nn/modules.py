@@ -103,20 +103,37 @@ class _KernelRNN:
             cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, "fp32", device, max_blocks)
         return cache[key]
 
-    def _chunks(self, x: Tensor, batch: int, steps: int) -> int:
-        """Time windows to pipeline the layers over (concurrency.pipeline_chunks); 1 off the GPU."""
-        if not x.is_cuda or self.bidirectional or self.num_layers < 2:
-            return 1
-        return concurrency.pipeline_chunks(self._plan(batch, x.device), self.num_layers, steps,
-                                           concurrency.sm_count(x.device))
+    def _layout(self, x: Tensor, batch: int, steps: int) -> dict:
+        """How functional.rnn runs this call's layers (its keyword arguments): the time windows to
+        pipeline a unidirectional stack over (concurrency.pipeline_chunks), the SMs each direction of
+        a bidirectional layer takes when the two run at once (concurrency.direction_blocks), and the
+        SMs every other launch may take (0: all). Nothing off the GPU."""
+        layout = {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
+        if not x.is_cuda:
+            return layout
+        sms = concurrency.sm_count(x.device)
+        budget = min(concurrency.budget(), sms)
 
-    def _side_by_side(self, x: Tensor, batch: int) -> int:
-        """The SMs each direction's launches are planned for when the two directions run at once
-        (concurrency.direction_blocks); 0 (one after the other) for one direction and off the GPU."""
-        if not x.is_cuda or not self.bidirectional:
-            return 0
-        return concurrency.direction_blocks(lambda blocks: self._plan(batch, x.device, blocks),
-                                            concurrency.sm_count(x.device))
+        def plan(blocks: int) -> str:
+            return self._plan(batch, x.device, blocks)
+        if budget:
+            # Within this thread's concurrency.sm_budget: the directions, or the layers pipelined, side
+            # by side on fused kernels within it where they fit (a generic layout of fewer blocks is
+            # slower than the fused one of more); else one launch at a time within it, where it fits.
+            share = budget // (2 if self.bidirectional else self.num_layers)
+            if share and "fused" in plan(share):
+                if self.bidirectional:
+                    return {**layout, "side_by_side_blocks": share}
+                chunks = concurrency.pipeline_chunks(plan(share), self.num_layers, steps, budget, budgeted=True)
+                if chunks > 1:
+                    return {**layout, "chunks": chunks, "max_blocks": share}
+            if plan(budget):
+                return {**layout, "max_blocks": budget}
+        if self.bidirectional:
+            return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms)}
+        if self.num_layers > 1:
+            return {**layout, "chunks": concurrency.pipeline_chunks(plan(0), self.num_layers, steps, sms)}
+        return layout
 
     def fills_gpu_alone(self, device: torch.device) -> bool:
         """Whether one sample's recurrence takes the whole GPU (the grid layout, or torch's RNN), so
@@ -184,8 +201,7 @@ class _KernelRNN:
         steps = (lengths.to(x.device, non_blocking=True) if lengths is not None
                  else torch.full((B,), T, dtype=torch.long, device=x.device))
         self._check_state(hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, T),
-                                       side_by_side_blocks=self._side_by_side(x, B))
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, T))
         return out, ((h_n, c_n) if isinstance(self, nn.LSTM) else h_n)
 
     def _as_given(self, out: Tensor, state, unbatched: bool):
@@ -321,8 +337,7 @@ class _KernelRNN:
         B = x.shape[0]
         steps = lengths.to(x.device, non_blocking=True)
         self._check_state(hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx, chunks=self._chunks(x, B, x.shape[1]),
-                                       side_by_side_blocks=self._side_by_side(x, B))
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, x.shape[1]))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
             out = out.index_select(0, packed.sorted_indices)

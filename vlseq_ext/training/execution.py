@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..nn import GRU, LSTM
+from ..nn import GRU, LSTM, concurrency
 from ..nn.gather import CallGatherer, gather_linear_calls
 from .graphs import GRAPH_MEMORY_SHARE, PaddedGraphs, SampleGraphs, padded_length
 from .losses import PerSampleLoss, StepPass, forward_backward, stack_targets
@@ -36,11 +36,13 @@ from .replicas import Lane, ReplicaSet
 # (BENCHMARKS.md, W2): LSTM 36->64, per-sample graphs 2,547 samples/s vs packed 1,681; 2-layer LSTM
 # of width 512, packed 725 vs graphs 216. The crossover lies between the two measured models.
 PER_SAMPLE_GRAPH_MAX_WIDTH = 256
-# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each). On the
-# persistent recurrent kernels a one-sample pass holds one 16-SM cluster, so more lanes keep paying:
-# one H200, LSTM 256x2 one-sample model at k=32 (BENCHMARKS.md, ninth session): 4 / 6 / 7 / 8 lanes
-# 5,921 / 7,261 / 7,731 / 8,299 samples/s (on cuDNN's chains, 4 and 8 lanes had measured the same).
-MAX_LANES = 8
+# Concurrent one-sample graph replays per device at k > 1 (one stream and gradient set each), each
+# lane's launches planned within its share of the SMs (concurrency.sm_budget). On the persistent
+# recurrent kernels a one-sample pass holds one cluster, so more lanes keep paying: one H200, LSTM
+# 256x2 one-sample model at k=32 (BENCHMARKS.md): 4 / 8 lanes 5,921 / 8,299 samples/s (ninth session;
+# on cuDNN's chains 4 and 8 had measured the same); 8 / 16 lanes 6,632 / 7,842 with each lane's
+# layers on 8-block clusters (eighteenth session).
+MAX_LANES = 16
 # Default graph memory (graph_memory_bytes None): graphs.GRAPH_MEMORY_SHARE of the device's memory
 # per cache, and at most four tenths for all of a device's lanes together (what four lanes had before
 # there could be eight), so more lanes never let graphs take more of the device.
@@ -314,6 +316,8 @@ class DeviceRunner:
         caches = self.sample_graphs[d]
         n = min(len(lanes), len(xs))
         with contextlib.ExitStack() as stack:
+            if len(lanes) > 1 and self.devices[d].type == "cuda":  # each lane's launches on its share of the SMs
+                stack.enter_context(concurrency.sm_budget(concurrency.sm_count(self.devices[d]) // len(lanes)))
             for lane in lanes[:n]:
                 stack.enter_context(self._joined(d, lane.stream))
             for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run

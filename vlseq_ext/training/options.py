@@ -61,7 +61,7 @@ class TrainerOptions:
             gathered passes of a one-sample model), or False (k per-sample passes). The same gradient
             every way.
         lanes: concurrent per-sample passes per device (one CUDA stream and gradient set each);
-            None: min(k, 8) on the per-sample graph path, else 1.
+            None: min(k, 16) on the per-sample graph path, else 1.
         amp: None or "bf16" (autocast forward; fp32 master weights, gradients and reduction).
         rnn_kernels: how the model's nn.LSTM / nn.GRU modules run: "auto" (the persistent kernels
             of vlseq_ext.nn where they measured faster than cuDNN), "vlseq" (the kernels wherever
