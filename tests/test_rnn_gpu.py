@@ -133,13 +133,13 @@ def test_one_sample_layers_run_fused(rand, cls, H, bidirectional):
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_several_samples_per_block_run_fused(rand, cls):
-    """A bidirectional layer of 8 samples within 64 SMs (concurrency.sm_budget), each direction on 32:
-    several fp32 samples per block on the fused kernels (the whole GPU's half would run one sample a
-    block on 8-block clusters), lengths that end at different steps."""
+    """A bidirectional layer of 8 samples within 32 SMs (concurrency.sm_budget; its directions one
+    after the other): several fp32 samples per block on the fused kernels (on half the GPU each
+    direction would run one sample a block on 8-block clusters), lengths that end at different steps."""
     from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 8, "fp32", DEV, max_blocks=32)
     assert "fused cell and W_hh in registers (forward" in plan and " 1 samples per block" not in plan, plan
-    with concurrency.sm_budget(64):
+    with concurrency.sm_budget(32):
         compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
 
 
@@ -218,21 +218,22 @@ def test_op_wide_cluster_against_the_cpu_op(rand, cell, H, lens, reverse):
     compare_ops_with_cpu(rand, cell, lens, max(lens), H, reverse, max_blocks=8)
 
 
-@pytest.mark.parametrize("cls,H,B,layers,bidirectional", [(nn.LSTM, 256, 1, 2, False), (nn.GRU, 256, 2, 3, False),
-                                                          (nn.LSTM, 200, 2, 1, True)])
-def test_modules_within_an_sm_budget(rand, cls, H, B, layers, bidirectional):
-    """Inside concurrency.sm_budget(16) (a per-sample lane's share at 8 lanes) a stack plans its
-    launches within the 16 SMs: two layers pipelined on 8 blocks each, a third on its own; a
-    bidirectional layer's directions on 8 each. Against float64, and the same bits in a graph replay."""
+@pytest.mark.parametrize("cls,H,B,layers,bidirectional,budget", [
+    (nn.LSTM, 256, 1, 2, False, 8), (nn.GRU, 256, 2, 3, False, 16), (nn.LSTM, 200, 2, 1, True, 8),
+    (nn.GRU, 1024, 1, 2, True, 8)])
+def test_modules_within_an_sm_budget(rand, cls, H, B, layers, bidirectional, budget):
+    """Inside concurrency.sm_budget (a per-sample lane's share of the SMs: 8 at 16 lanes, 16 at 8) a
+    stack runs its layers and directions one launch at a time on the caller's stream (no pipeline, no
+    side-by-side directions), each planned within the budget (LSTM 256 on the wide 8-block clusters)
+    or, where no plan fits in it (GRU 1024's grid), on the whole GPU. Against float64, and the same
+    bits in a graph replay."""
     from vlseq_ext.nn import concurrency
     lengths = (300,) if B == 1 else (300, 41)
-    with concurrency.sm_budget(16):
+    with concurrency.sm_budget(budget):
         mod, x, lens, hx = compare(rand, cls, 36, H, layers=layers, bidirectional=bidirectional, lengths=lengths)
         layout = mod._layout(x.to(DEV), B, 300)
-        want = ({"chunks": 1, "side_by_side_blocks": 8, "max_blocks": 0} if bidirectional else
-                {"chunks": 6, "side_by_side_blocks": 0, "max_blocks": 8} if layers == 2 else
-                {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 16})  # 3 layers: no fused layout in 5 blocks
-        assert layout == want, layout
+        fits = H <= 256
+        assert layout == {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": budget if fits else 0}, layout
         x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
         dirs = 2 if bidirectional else 1
         up = [rand.randn(B, 300, dirs * H, device=DEV)] + \
@@ -612,9 +613,10 @@ def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
 
 def test_per_sample_lanes_plan_within_their_share(rand, monkeypatch):
     """The trainer's per-sample lanes (8, a one-sample LSTM 256 x 2 as graphs) run each pass within
-    its share of the SMs (sm_count // 8): a sample long enough to pipeline runs its two layers side by
-    side on half the share each (the wide kernels at 8 blocks on an H200), a short one one layer at a
-    time within the share. The gradient is cuDNN's."""
+    its share of the SMs (sm_count // 8), one layer at a time on the lane's stream. The gradient is
+    cuDNN's: with the layers of samples of 96 steps or more pipelined on side streams shared by the
+    lanes (before concurrency.sm_budget kept them off), layer 0's gradients came out wrong
+    intermittently (0.26-0.75 relative; eighteenth session)."""
     from vlseq_ext import ParallelTrainer
     from vlseq_ext.nn import functional
 
@@ -656,6 +658,4 @@ def test_per_sample_lanes_plan_within_their_share(rand, monkeypatch):
         assert err < 1e-5, err
     assert {T for T, _ in layouts} == set(lengths)
     for T, kw in layouts:
-        piped = T >= 2 * 48 and "fused" in ops.rnn_plan("lstm", 256, 1, "fp32", DEV, share // 2)
-        want = {"chunks": min(8, T // 48), "max_blocks": share // 2} if piped else {"chunks": 1, "max_blocks": share}
-        assert {k: kw[k] for k in want} == want, (T, kw)
+        assert kw == {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": share}, (T, kw)

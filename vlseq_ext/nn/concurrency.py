@@ -22,16 +22,14 @@ PIPELINE_MIN_STEPS = 48
 PIPELINE_MAX_CHUNKS = 8
 
 
-def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int, budgeted: bool = False) -> int:
+def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
     """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
     only when the launches of all layers (`plan`, from ops.rnn_plan: one block per SM) take at most
     half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
     find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
-    for the grid layout, whose cooperative launch needs its whole grid resident. `budgeted`:
-    `sm_count` is a pass's share beside other passes (sm_budget), whose work fills the other SMs, so
-    the layers may take all of it."""
+    for the grid layout, whose cooperative launch needs its whole grid resident."""
     blocks = _blocks(plan)
-    if layers < 2 or not blocks or blocks * layers > (sm_count if budgeted else sm_count // 2):
+    if layers < 2 or not blocks or blocks * layers > sm_count // 2:
         return 1
     return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
 
@@ -63,12 +61,18 @@ _budget = threading.local()
 
 @contextlib.contextmanager
 def sm_budget(blocks: int):
-    """The vlseq_ext.nn LSTM/GRU calls made on this thread inside plan their launches for at most
-    `blocks` SMs (a stack pipelined over its layers: that many for all of them together; 0: the
-    whole GPU), where a plan fits in them. For passes that run side by side (the trainer's per-sample
-    lanes): their throughput is bound by the SMs their clusters hold, and a layout of fewer blocks
-    costs less SM time per sample (LSTM 256: 8 blocks of 32 units against 16 of 16; BENCHMARKS.md,
-    eighteenth session). What runs is fixed when the forward runs: its backward keeps it."""
+    """The vlseq_ext.nn LSTM/GRU calls made on this thread inside plan each launch for at most
+    `blocks` SMs (0: the whole GPU), where a plan fits in them, and run their layers and directions
+    one at a time on the caller's stream: no pipelined stack, no directions side by side. For passes
+    that run side by side (the trainer's per-sample lanes):
+    - their throughput is bound by the SMs their clusters hold, and a layout of fewer blocks costs
+      less SM time per sample (LSTM 256: 8 blocks of 32 units against 16 of 16; BENCHMARKS.md,
+      eighteenth session);
+    - their CUDA graphs replay at the same time, and GEMMs captured on a side stream shared between
+      them share torch's cuBLAS workspace, which is cached per handle and stream (pytorch#193402):
+      a one-sample LSTM 256 x 2 pipelined on 8 lanes got wrong layer-0 gradients, intermittently
+      (eighteenth session). On its own stream each lane's work has its own.
+    What runs is fixed when the forward runs: its backward keeps it."""
     before = budget()
     _budget.blocks = max(0, int(blocks))
     try:

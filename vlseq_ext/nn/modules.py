@@ -107,7 +107,7 @@ class _KernelRNN:
         """How functional.rnn runs this call's layers (its keyword arguments): the time windows to
         pipeline a unidirectional stack over (concurrency.pipeline_chunks), the SMs each direction of
         a bidirectional layer takes when the two run at once (concurrency.direction_blocks), and the
-        SMs every other launch may take (0: all). Nothing off the GPU."""
+        SMs every other launch may take (0: all; concurrency.sm_budget). Nothing off the GPU."""
         layout = {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
         if not x.is_cuda:
             return layout
@@ -117,18 +117,9 @@ class _KernelRNN:
         def plan(blocks: int) -> str:
             return self._plan(batch, x.device, blocks)
         if budget:
-            # Within this thread's concurrency.sm_budget: the directions, or the layers pipelined, side
-            # by side on fused kernels within it where they fit (a generic layout of fewer blocks is
-            # slower than the fused one of more); else one launch at a time within it, where it fits.
-            share = budget // (2 if self.bidirectional else self.num_layers)
-            if share and "fused" in plan(share):
-                if self.bidirectional:
-                    return {**layout, "side_by_side_blocks": share}
-                chunks = concurrency.pipeline_chunks(plan(share), self.num_layers, steps, budget, budgeted=True)
-                if chunks > 1:
-                    return {**layout, "chunks": chunks, "max_blocks": share}
-            if plan(budget):
-                return {**layout, "max_blocks": budget}
+            # Within this thread's concurrency.sm_budget: one launch at a time, on the caller's stream
+            # only (see sm_budget for why no side streams), within the budget where a plan fits in it.
+            return {**layout, "max_blocks": budget if plan(budget) else 0}
         if self.bidirectional:
             return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms)}
         if self.num_layers > 1:
