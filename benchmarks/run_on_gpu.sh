@@ -44,6 +44,16 @@ fi
 echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
+if runs tests || runs tsc || runs tsc-cpu; then
+  # aeon is optional: without it, the wheels carried in .whl/ (README, "Estimators") go to /tmp/site,
+  # for the tests too (the estimators' tests skip without aeon, which a suite's count hides).
+  if ! $PY -c "import aeon" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/aeon-install.log" 2>&1 \
+      || { tail -20 "$OUT/aeon-install.log"; rc=1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  $PY -c "import aeon; print('aeon', aeon.__version__)" || { runs tests || rc=1; }
+fi
 if runs tests; then
   xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-16}")
   $PY -m pytest -q -p no:cacheprovider $xdist tests/ > "$OUT/tests.log" 2>&1 || rc=1
@@ -123,15 +133,6 @@ fi
 if runs dist; then
   $PY benchmarks/distributed_check.py --out "$OUT/dist" > "$OUT/dist.log" 2>&1 || rc=1
   tail -30 "$OUT/dist.log"
-fi
-if runs tsc || runs tsc-cpu; then
-  # aeon is optional: without it, the wheels carried in .whl/ (README, "Estimators") go to /tmp/site
-  if ! $PY -c "import aeon" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/aeon-install.log" 2>&1 \
-      || { tail -20 "$OUT/aeon-install.log"; rc=1; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
-  $PY -c "import aeon; print('aeon', aeon.__version__)" || rc=1
 fi
 if runs tsc; then
   $PY -m pytest -q -p no:cacheprovider -rs tests/test_estimators_network.py tests/test_estimators.py \
