@@ -575,21 +575,24 @@ def test_seq_model_on_the_kernels_equals_samples_alone(rand, rnn, bidirectional)
     torch.testing.assert_close(one.double().cpu(), alone, rtol=1e-5, atol=1e-6)
 
 
+class OneSample(nn.Module):
+    """A model written for one sample at a time (the seed's style): LSTM 256 x 2 and a head on h_n."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(36, 256, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(256, 1)
+
+    def forward(self, x):
+        return self.fc(self.lstm(x.unsqueeze(0))[1][0][-1])
+
+
 @pytest.mark.parametrize("form", ["padded", "one_sample", "one_sample_graphs"])
 def test_trainer_steps_on_the_kernels_match_cudnn(rand, form):
     """ParallelTrainer with rnn_kernels="vlseq" (padded-batch graphs of SeqModel; a one-sample model's
     passes with their recurrent calls gathered into one batch (pack=True), or its one-sample graphs on
     lanes (pack=False)) gives the gradient cuDNN gives, within fp32 rounding."""
     from vlseq_ext import ParallelTrainer, SeqModel
-
-    class OneSample(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lstm = nn.LSTM(36, 256, num_layers=2, batch_first=True)
-            self.fc = nn.Linear(256, 1)
-
-        def forward(self, x):
-            return self.fc(self.lstm(x.unsqueeze(0))[1][0][-1])
 
     lengths = random_lengths(rand, 8, 1, 60)
     xs = [rand.randn(n, 36) for n in lengths]
@@ -618,18 +621,8 @@ def test_per_sample_lanes_plan_within_their_share(rand, monkeypatch):
     lanes (before concurrency.sm_budget kept them off), layer 0's gradients came out wrong
     intermittently (0.26-0.75 relative; eighteenth session)."""
     from vlseq_ext import ParallelTrainer
-    from vlseq_ext.nn import functional
+    from vlseq_ext.nn import concurrency, functional
 
-    class OneSample(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lstm = nn.LSTM(36, 256, num_layers=2, batch_first=True)
-            self.fc = nn.Linear(256, 1)
-
-        def forward(self, x):
-            return self.fc(self.lstm(x.unsqueeze(0))[1][0][-1])
-
-    from vlseq_ext.nn import concurrency
     share = torch.cuda.get_device_properties(0).multi_processor_count // 8
     layouts = []
     real = functional.rnn
