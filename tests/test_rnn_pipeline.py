@@ -127,3 +127,14 @@ def test_frozen_layer_gets_no_gradient_and_the_others_are_unchanged(rand, chunks
     assert all(p.grad is None for n, p in module.named_parameters() if n.endswith("l0"))
     for p, w in zip(upper, want):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+
+
+def test_max_blocks_is_for_one_launch_at_a_time(rand):
+    """functional.rnn's max_blocks bounds launches that run one at a time (the modules' sm_budget):
+    with a pipelined stack or side-by-side directions it is refused, not ignored."""
+    module = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+    x, lengths = rand.randn(2, 5, 3), torch.tensor([5, 3])
+    with pytest.raises(ValueError, match="max_blocks"):
+        functional.rnn(module, x, lengths, chunks=2, max_blocks=8)
+    with pytest.raises(ValueError, match="max_blocks"):
+        functional.rnn(module, x, lengths, side_by_side_blocks=66, max_blocks=8)

@@ -181,7 +181,7 @@ __host__ __device__ constexpr bool fused_few_workers(bool local, int bt) { retur
 __host__ __device__ constexpr int fused_workers(bool local, int bt) {
   return fused_few_workers(local, bt) ? kThreads / 2 : kThreads;
 }
-// `wide`: a cluster block holding twice the chunks (fused_wide_fits), so that a layer fits in half the
+// `wide`: a cluster block holding twice the chunks (fits_fused's `wide`), so that a layer fits in half the
 // blocks: LSTM 256 fp32 in 8, where a one-sample pass beside others is bound by the SMs its clusters
 // hold (BENCHMARKS.md, eighteenth session), not by its step.
 __host__ __device__ constexpr int fused_chunks(bool local, int bt, bool wide = false) {
