@@ -40,8 +40,9 @@ PER_SAMPLE_GRAPH_MAX_WIDTH = 256
 # lane's launches planned within its share of the SMs (concurrency.sm_budget). On the persistent
 # recurrent kernels a one-sample pass holds one cluster, so more lanes keep paying: one H200, LSTM
 # 256x2 one-sample model at k=32 (BENCHMARKS.md): 4 / 8 lanes 5,921 / 8,299 samples/s (ninth session;
-# on cuDNN's chains 4 and 8 had measured the same); 8 / 16 lanes 6,632 / 7,842 with each lane's
-# layers on 8-block clusters (eighteenth session).
+# on cuDNN's chains 4 and 8 had measured the same); 16 lanes of 8 SMs, each layer on one 8-block
+# cluster, 11,685 against 9,186 for 8 lanes of 16 (eighteenth session, diag.lanes; the sweep's pool:
+# 7,271 samples/s, 1.39x the packed loop).
 MAX_LANES = 16
 # Default graph memory (graph_memory_bytes None): graphs.GRAPH_MEMORY_SHARE of the device's memory
 # per cache, and at most four tenths for all of a device's lanes together (what four lanes had before
