@@ -138,3 +138,23 @@ def test_max_blocks_is_for_one_launch_at_a_time(rand):
         functional.rnn(module, x, lengths, chunks=2, max_blocks=8)
     with pytest.raises(ValueError, match="max_blocks"):
         functional.rnn(module, x, lengths, side_by_side_blocks=66, max_blocks=8)
+
+
+def test_sm_budget_nests_and_stays_on_its_thread():
+    """sm_budget is per thread (the trainer sets it around one device's lanes) and restores what was
+    there on exit, errors included."""
+    import threading
+    assert concurrency.budget() == 0
+    seen = []
+    with concurrency.sm_budget(16):
+        t = threading.Thread(target=lambda: seen.append(concurrency.budget()))
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError):
+            with concurrency.sm_budget(8):
+                assert concurrency.budget() == 8
+                raise RuntimeError("inside")
+        assert concurrency.budget() == 16
+        with concurrency.sm_budget(-3):
+            assert concurrency.budget() == 0
+    assert concurrency.budget() == 0 and seen == [0]
