@@ -1,11 +1,12 @@
 """Helpers shared by the tests: bit-exact comparisons, message-checking raises, work done once per session."""
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict
 
 import pytest
 import torch
@@ -15,6 +16,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a tensor's bytes, for bit-exact comparisons (-0.0 != +0.0, NaN == NaN)."""
     itype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(itype)
+
+
+def float64_reference_grads(model: torch.nn.Module, xs, ys, reduction: str = "sum") -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient, by name, of the per-sample MSE losses summed (or averaged) over
+    (xs, ys), from a float64 copy of `model` on the CPU that runs one sample at a time on torch's own
+    RNN modules: what every training path must equal."""
+    import vlseq_ext.nn as vnn
+    ref = copy.deepcopy(model).double().cpu()
+    vnn.use_kernels(ref, "cudnn")
+    for x, y in zip(xs, ys):
+        loss = torch.nn.MSELoss()(ref(x.double()), y.double().reshape(1, 1))
+        (loss / (len(xs) if reduction == "mean" else 1)).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:

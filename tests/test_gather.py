@@ -18,6 +18,8 @@ from vlseq_ext import ParallelTrainer
 from vlseq_ext.nn import modules
 from vlseq_ext.nn.gather import CallGatherer, GatherCancelled, GatheredLinear, gather_linear_calls
 
+from helpers import float64_reference_grads
+
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 requires_cuda = pytest.mark.requires_cuda
 
@@ -327,15 +329,6 @@ def test_gathering_is_not_reentrant():
 # ---------------------------------------------------------------------------------------------
 
 
-def reference(model, xs, ys, reduction="sum"):
-    ref = copy.deepcopy(model).double().cpu()
-    vnn.use_kernels(ref, "cudnn")
-    for x, y in zip(xs, ys):
-        loss = nn.MSELoss()(ref(x.double()), y.double().reshape(1, 1))
-        (loss / (len(xs) if reduction == "mean" else 1)).backward()
-    return grads(ref)
-
-
 def batch(rand, n, dim=5, max_len=30):
     lengths = [int(v) for v in torch.randint(1, max_len, (n,), generator=rand.generator())]
     return [rand.randn(L, dim) for L in lengths], [rand.randn(1) for _ in lengths]
@@ -347,7 +340,7 @@ def test_trainer_gathers_one_sample_models_on_cpu(rand, cell, bidirectional, red
     torch.manual_seed(rand.seed % 2**31)
     model = OneSample(cell, bidirectional=bidirectional)
     xs, ys = batch(rand, 7)
-    want = reference(model, xs, ys, reduction)
+    want = list(float64_reference_grads(model, xs, ys, reduction).values())
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), devices="cpu:2",
                               samples_per_device=4, reduction=reduction)
     for _ in range(2):
@@ -424,7 +417,7 @@ def test_gpu_trainer_gathers_wide_one_sample_models(rand, no_tf32, cell, hidden,
     torch.manual_seed(rand.seed % 2**31)
     model = OneSample(cell, dim=36, hidden=hidden, layers=layers, bidirectional=bidirectional).cuda()
     xs, ys = batch(rand, 12, dim=36, max_len=70)
-    want = reference(model, xs, ys)
+    want = list(float64_reference_grads(model, xs, ys).values())
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), devices="cuda:0",
                               samples_per_device=12, rnn_kernels="vlseq", pack=True)
     with warnings.catch_warnings():

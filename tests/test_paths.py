@@ -17,6 +17,8 @@ from torch import nn
 
 from vlseq_ext import ParallelTrainer, SeqModel
 
+from helpers import float64_reference_grads
+
 requires_cuda = pytest.mark.requires_cuda  # every visible GPU: two where there are two
 
 
@@ -71,14 +73,6 @@ def batch(n: int, gen: torch.Generator, dim: int = 6, max_len: int = 40):
     return [torch.randn(L, dim, generator=gen) for L in lengths], [torch.randn(1, generator=gen) for _ in lengths]
 
 
-def reference(model: nn.Module, xs, ys, reduction: str):
-    ref = copy.deepcopy(model).double().cpu()
-    for x, y in zip(xs, ys):
-        loss = nn.MSELoss()(ref(x.double()), y.double().reshape(1, 1))
-        (loss / (len(xs) if reduction == "mean" else 1)).backward()
-    return {n: p.grad for n, p in ref.named_parameters()}
-
-
 def assert_close_to(model: nn.Module, ref, rtol: float) -> None:
     for name, p in model.named_parameters():
         err = (p.grad.double().cpu() - ref[name]).norm().item()
@@ -104,7 +98,7 @@ def test_cpu_lanes_and_threads_match_float64(model_name, lanes, k, n, reduction)
     torch.manual_seed(gen.initial_seed())
     model = MODELS[model_name]()
     xs, ys = batch(n, gen)
-    ref = reference(model, xs, ys, reduction)
+    ref = float64_reference_grads(model, xs, ys, reduction)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:2",
                               samples_per_device=k, reduction=reduction, pack=False, lanes=lanes)
     trainer.compute_gradients(xs, ys)
@@ -126,7 +120,7 @@ def test_cpu_lanes_share_weights_after_steps():
             for p, q in zip(lane.params, model.parameters()):
                 assert torch.equal(p.detach(), q.detach())
     xs, ys = batch(6, gen)
-    ref = reference(model, xs, ys, "sum")
+    ref = float64_reference_grads(model, xs, ys, "sum")
     trainer.compute_gradients(xs, ys)
     assert_close_to(model, ref, 1e-5)
 
@@ -139,7 +133,7 @@ def test_cpu_steps_repeat_bit_for_bit():
     gen = torch.Generator().manual_seed(9)
     model = SeqModel(input_dim=6, hidden_dim=8)
     xs, ys = batch(6, gen, max_len=12)
-    ref = reference(model, xs, ys, "mean")
+    ref = float64_reference_grads(model, xs, ys, "mean")
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices="cpu:3",
                               samples_per_device=2, reduction="mean", pack=False, lanes=2)
     trainer.compute_gradients(xs, ys)
@@ -210,7 +204,7 @@ def test_gpu_paths_match_float64(model_name, k, short, reduction, no_tf32):
     torch.manual_seed(gen.initial_seed())
     model = MODELS[model_name]()
     xs, ys = batch(n, gen)
-    ref = reference(model, xs, ys, reduction)
+    ref = float64_reference_grads(model, xs, ys, reduction)
     model.cuda(0)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                               samples_per_device=k, reduction=reduction)
@@ -229,7 +223,7 @@ def test_gpu_stress_1000_steps_same_bits(model_name, no_tf32):
     xs, ys = batch(8 * gpus(), gen)
     trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                               samples_per_device=8, reduction="mean")
-    ref = reference(model, xs, ys, "mean")
+    ref = float64_reference_grads(model, xs, ys, "mean")
     trainer.compute_gradients(xs, ys)
     first = grads_of(model)
     assert_close_to(model, ref, 3e-5)
@@ -310,7 +304,7 @@ def test_gpu_failed_capture_leaves_the_process_usable(no_tf32):
         for _ in range(3):  # a cache gives up after its second failed capture
             xs, ys = batch(2 * gpus(), gen)
             trainer.compute_gradients(xs, ys)
-    assert_close_to(model, reference(model, xs, ys, "sum"), 3e-5)
+    assert_close_to(model, float64_reference_grads(model, xs, ys, "sum"), 3e-5)
     assert all(s["graphs"] == 0 for s in trainer.graph_stats())
 
     for dev in range(torch.cuda.device_count()):  # every device's generator still works
@@ -389,7 +383,7 @@ def test_gpu_wide_one_sample_model_warns_once_and_trains(no_tf32):
         quiet = SeqModel(input_dim=6, hidden_dim=256).cuda(0)  # has forward_padded: no warning
         ParallelTrainer(quiet, torch.optim.SGD(quiet.parameters(), lr=0.1), nn.MSELoss(), devices=gpus(),
                         samples_per_device=2).compute_gradients(xs, ys)
-    assert_close_to(model, reference(model, xs, ys, "sum"), 3e-5)
+    assert_close_to(model, float64_reference_grads(model, xs, ys, "sum"), 3e-5)
 
 
 @requires_cuda
