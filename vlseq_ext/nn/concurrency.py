@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor
@@ -61,9 +61,9 @@ _budget = threading.local()
 
 @contextlib.contextmanager
 def sm_budget(blocks: int):
-    """The vlseq_ext.nn LSTM/GRU calls made on this thread inside plan each launch for at most
-    `blocks` SMs (0: the whole GPU), where a plan fits in them, and run their layers and directions
-    one at a time on the caller's stream: no pipelined stack, no directions side by side. For passes
+    """The vlseq_ext.nn LSTM/GRU calls made on this thread inside run their layers and directions
+    one at a time on the caller's stream (no pipelined stack, no directions side by side), each launch
+    planned for at most `blocks` SMs where a plan fits in them (0: the whole GPU). For passes
     that run side by side (the trainer's per-sample lanes):
     - their throughput is bound by the SMs their clusters hold, and a layout of fewer blocks costs
       less SM time per sample (LSTM 256: 8 blocks of 32 units against 16 of 16; BENCHMARKS.md,
@@ -74,16 +74,16 @@ def sm_budget(blocks: int):
       (eighteenth session). On its own stream each lane's work has its own.
     What runs is fixed when the forward runs: its backward keeps it."""
     before = budget()
-    _budget.blocks = max(0, int(blocks))
+    _budget.blocks = max(0, int(blocks))  # 0 is a budget too: the whole GPU, one launch at a time
     try:
         yield
     finally:
         _budget.blocks = before
 
 
-def budget() -> int:
-    """This thread's sm_budget (0: none)."""
-    return getattr(_budget, "blocks", 0)
+def budget() -> Optional[int]:
+    """This thread's sm_budget, None outside one."""
+    return getattr(_budget, "blocks", None)
 
 
 def _blocks(plan: str) -> int:

@@ -112,14 +112,15 @@ class _KernelRNN:
         if not x.is_cuda:
             return layout
         sms = concurrency.sm_count(x.device)
-        budget = min(concurrency.budget(), sms)
+        budget = concurrency.budget()
 
         def plan(blocks: int) -> str:
             return self._plan(batch, x.device, blocks)
-        if budget:
+        if budget is not None:
             # Within this thread's concurrency.sm_budget: one launch at a time, on the caller's stream
             # only (see sm_budget for why no side streams), within the budget where a plan fits in it.
-            return {**layout, "max_blocks": budget if plan(budget) else 0}
+            blocks = min(budget, sms)
+            return {**layout, "max_blocks": blocks if blocks and plan(blocks) else 0}
         if self.bidirectional:
             return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms)}
         if self.num_layers > 1:

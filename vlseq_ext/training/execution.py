@@ -317,11 +317,9 @@ class DeviceRunner:
         caches = self.sample_graphs[d]
         n = min(len(lanes), len(xs))
         with contextlib.ExitStack() as stack:
-            if len(lanes) > 1 and self.devices[d].type == "cuda":
-                # Each lane's launches on its share of the SMs, and on its own stream (sm_budget says why);
-                # at least 1, since 0 would mean no budget: more lanes than SMs still stay off side streams.
-                share = max(1, concurrency.sm_count(self.devices[d]) // len(lanes))
-                stack.enter_context(concurrency.sm_budget(share))
+            if len(lanes) > 1 and self.devices[d].type == "cuda":  # each lane on its share of the SMs, and on
+                # its own stream (sm_budget says why)
+                stack.enter_context(concurrency.sm_budget(concurrency.sm_count(self.devices[d]) // len(lanes)))
             for lane in lanes[:n]:
                 stack.enter_context(self._joined(d, lane.stream))
             for i, (x, y) in enumerate(zip(xs, ys)):  # round robin: lane i % n, the same every run
