@@ -68,8 +68,8 @@ def sample_graphs_overlap(model: nn.Module, device: torch.device) -> bool:
     """Whether the model's one-sample graph replays run side by side on `device`: each of its
     recurrent modules runs one sample in a thread-block cluster. Then k replays on lanes beat one
     gathered batch, whose k eager passes are host-bound; where one sample fills the GPU they run one
-    after the other. One H200, k=32 (BENCHMARKS.md, seventeenth session): LSTM 256x2 per-sample
-    graphs 4,414 samples/s, gathered 2,339; LSTM 1024 (a grid) 610 against 2,901."""
+    after the other. One H200, k=32 (BENCHMARKS.md, diag.one_sample_plans, eighteenth session run 3):
+    LSTM 256x2 per-sample graphs 7,333 samples/s, gathered 3,622; LSTM 1024 (a grid) 608 against 3,787."""
     modules = [m for m in model.modules() if isinstance(m, (LSTM, GRU))]
     return bool(modules) and not any(m.fills_gpu_alone(device) for m in modules)
 
