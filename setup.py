@@ -94,6 +94,32 @@ def _want_cuda() -> bool:
     return True
 
 
+def _cublaslt():
+    """Compile and link flags for cuBLASLt (csrc/cuda/mm_tf32.cpp): its header from the toolkit or,
+    where the toolkit has none, from the NVIDIA wheel torch runs with (searched after every other
+    include directory, so no other header of that wheel shadows the toolkit's); the library torch
+    loads itself where its wheel has it, else the toolkit's."""
+    import importlib.util
+    major = torch.version.cuda.split(".")[0]
+    spec = importlib.util.find_spec("nvidia")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    roots = [os.path.join(loc, sub) for loc in locations for sub in (f"cu{major}", "cublas")]
+    cxx = []
+    if not os.path.exists(os.path.join(CUDA_HOME, "include", "cublasLt.h")):
+        inc = next((os.path.join(r, "include") for r in roots if os.path.exists(os.path.join(r, "include", "cublasLt.h"))),
+                   None)
+        if inc is None:
+            sys.stderr.write(f"vlseq_ext: no cublasLt.h under CUDA_HOME={CUDA_HOME} nor in torch's NVIDIA wheels; "
+                             "install the toolkit's cuBLAS headers, or set VLSEQ_FORCE_CPU=1\n")
+            sys.exit(1)
+        cxx = ["-idirafter", inc]
+    for r in roots:
+        lib = os.path.join(r, "lib", f"libcublasLt.so.{major}")
+        if os.path.exists(lib):
+            return cxx, [f"-L{os.path.dirname(lib)}", f"-l:libcublasLt.so.{major}"]
+    return cxx, ["-lcublasLt"]
+
+
 def _extension():
     use_cuda = _want_cuda()
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
@@ -112,12 +138,13 @@ def _extension():
                             extra_compile_args={"cxx": cxx}, extra_link_args=link, py_limited_api=True)
     sources += rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    blas_cxx, blas_link = _cublaslt()
     return CUDAExtension(
         "vlseq_ext._C",
         sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        extra_link_args=link,
+        extra_compile_args={"cxx": cxx + blas_cxx, "nvcc": nvcc},
+        extra_link_args=link + blas_link,
         py_limited_api=True,
     )
 

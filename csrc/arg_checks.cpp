@@ -306,4 +306,22 @@ void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList d
   }
 }
 
+void check_mm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "vlseq_ext::mm_tf32: a and b must be matrices, got ", a.dim(), "-d and ",
+              b.dim(), "-d");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
+              "vlseq_ext::mm_tf32: a and b must be float32, got ", c10::toString(a.scalar_type()), " and ",
+              c10::toString(b.scalar_type()));
+  TORCH_CHECK(a.device() == b.device(), "vlseq_ext::mm_tf32: a is on ", a.device().str(), " but b is on ",
+              b.device().str());
+  TORCH_CHECK(a.size(1) == b.size(0), "vlseq_ext::mm_tf32: a is ", a.sizes(), " and b is ", b.sizes(),
+              ": a's columns must equal b's rows");
+  if (!bias) return;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == b.size(1) && bias->scalar_type() == at::kFloat,
+              "vlseq_ext::mm_tf32: bias must be float32 of shape (", b.size(1), "), got ",
+              c10::toString(bias->scalar_type()), " of shape ", bias->sizes());
+  TORCH_CHECK(bias->device() == a.device(), "vlseq_ext::mm_tf32: bias is on ", bias->device().str(), " but a is on ",
+              a.device().str());
+}
+
 }  // namespace vlseq

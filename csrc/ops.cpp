@@ -56,4 +56,8 @@ TORCH_LIBRARY(vlseq_ext, m) {
   // 16 x 2 groups, ..."), or "" when W_hh does not fit on chip (vlseq_ext.nn then falls back to
   // torch's RNN); "cpu" on the CPU.
   m.def("rnn_plan(str cell, int hidden_size, int batch, str weights, Tensor like, int max_blocks=0) -> str");
+  // a @ b (+ bias) of float32 matrices, a new (m, n) tensor: on CUDA with TF32 products on the tensor
+  // cores whatever torch's matmul flag says (the GEMMs of vlseq_ext.nn's "tf32" mode, as cuDNN's RNNs
+  // run theirs under torch.backends.cudnn.allow_tf32; csrc/cuda/mm_tf32.cpp), exact on the CPU.
+  m.def("mm_tf32(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
 }

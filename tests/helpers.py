@@ -94,3 +94,16 @@ def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Pa
             make(folder)
             done.touch()
     return folder
+
+
+def mm_operands(rand, m, k, n, layout, device="cpu"):
+    """a (m, k) and b (k, n) as the layer's GEMMs pass them: row-major, transposed views, row slices
+    (an offset and a leading dimension past the width), or strided columns (neither layout: copied)."""
+    r = lambda *shape: rand.randn(*shape, device=device)  # noqa: E731
+    if layout == "rows":
+        return r(m, k), r(k, n)
+    if layout == "transposed":
+        return r(k, m).t(), r(n, k).t()
+    if layout == "slices":
+        return r(m + 1, k + 3)[1:, :k], r(k + 2, n)[1:-1]
+    return r(m, 2 * k)[:, ::2], r(k, 3 * n)[:, ::3]

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import vlseq_ext.nn as vnn
 from vlseq_ext import ops
 
-from helpers import assert_same_bits
+from helpers import assert_same_bits, mm_operands
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.usefixtures("no_tf32")]
 DEV = "cuda"
@@ -428,16 +428,64 @@ def test_op_grid_layout_tf32_in_two_groups(rand):
     compare_ops_with_cpu(rand, "lstm", lens, 30, 512, False, weights="tf32", max_blocks=128, tol=TF32_OP_TOL)
 
 
-def test_tf32_modules_follow_cudnns_flag(rand):
-    """vlseq_ext.nn runs "tf32" where cuDNN would (cudnn.allow_tf32) and exact fp32 where it would not: an
-    LSTM 1024 on the grid layout, its outputs and gradients against float64."""
+@pytest.mark.parametrize("H,layers,bidirectional", [(1024, 1, False), (256, 2, True)])
+def test_tf32_modules_follow_cudnns_flag(rand, H, layers, bidirectional):
+    """vlseq_ext.nn runs "tf32" where cuDNN would (cudnn.allow_tf32) and exact fp32 where it would not, its
+    GEMMs in TF32 whatever torch's matmul flag says (off here): an LSTM 1024 on the grid layout and a
+    2-layer bidirectional LSTM 256 on clusters, outputs and gradients against float64."""
     lens = random_lengths(rand, 12, 1, 40)
     torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
     assert vnn.functional.precision_for(torch.zeros(1, device=DEV)) == "tf32"
-    compare(rand, nn.LSTM, 36, 1024, lengths=lens, rtol=TF32_OP_TOL)
+    compare(rand, nn.LSTM, 36, H, layers, bidirectional, lengths=lens, rtol=TF32_OP_TOL)
+    assert not torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     assert vnn.functional.precision_for(torch.zeros(1, device=DEV)) == "fp32"
-    compare(rand, nn.LSTM, 36, 1024, lengths=lens)
+    compare(rand, nn.LSTM, 36, H, layers, bidirectional, lengths=lens)
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed", "slices", "strided"])
+@pytest.mark.parametrize("m,k,n", [(1000, 36, 1024), (1024, 3000, 256), (3, 1, 5), (257, 300, 1), (1, 7, 1)])
+def test_mm_tf32_within_tf32_of_float64(rand, layout, m, k, n):
+    """Every layout the layers pass (transposed views and row slices read in place), odd sizes down to one
+    column or row (4-byte alignment), the bias in the epilogue: within TF32_OP_TOL of float64."""
+    a, b = mm_operands(rand, m, k, n, layout, device=DEV)
+    bias = rand.randn(n, device=DEV)
+    err = relative_error(ops.mm_tf32(a, b, bias), a.double() @ b.double() + bias.double())
+    assert err <= TF32_OP_TOL, f"relative error {err:.3g}"
+
+
+def test_mm_tf32_runs_tf32_whatever_the_matmul_flag(rand):
+    """With torch's matmul TF32 off (no_tf32), torch.mm is exact to ~1e-7 and mm_tf32 is not (TF32 rounds
+    each operand to a 10-bit mantissa), and the flag stays off: the tensor cores ran, nothing global
+    was switched. A bias at a 4-byte offset gives the same sum as an aligned one."""
+    a, b = rand.randn(512, 2048, device=DEV), rand.randn(2048, 384, device=DEV)
+    want = a.double() @ b.double()
+    assert relative_error(a @ b, want) < 1e-6
+    assert 1e-5 < relative_error(ops.mm_tf32(a, b), want) <= TF32_OP_TOL
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    bias = rand.randn(385, device=DEV)
+    assert torch.equal(ops.mm_tf32(a, b, bias[1:]), ops.mm_tf32(a, b, bias[1:].clone()))
+
+
+def test_mm_tf32_same_bits_eager_and_in_a_graph(rand):
+    """One algorithm per shape and layout: the same bits run to run, and a CUDA-graph replay on another
+    stream gives the eager bits (its workspace from the graph's pool)."""
+    a, b, bias = rand.randn(2048, 256, device=DEV).t(), rand.randn(2048, 1024, device=DEV), rand.randn(1024, device=DEV)
+    first = ops.mm_tf32(a, b, bias)
+    assert torch.equal(first, ops.mm_tf32(a, b, bias))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            out = ops.mm_tf32(a, b, bias)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
 
 
 def test_bf16_autocast_tolerance(rand):

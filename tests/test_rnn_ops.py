@@ -13,7 +13,7 @@ from torch import nn
 from vlseq_ext import ops, reference
 from vlseq_ext.nn import functional as F
 
-from helpers import raises_matching
+from helpers import mm_operands, raises_matching
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
 
@@ -206,3 +206,40 @@ def test_negative_block_budget_is_refused(call):
                                              False, "fp32", -1)
         else:
             torch.ops.vlseq_ext.rnn_plan("gru", 4, 2, "fp32", torch.empty(0), -1)
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed", "slices", "strided"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mm_tf32_is_the_exact_product_on_the_cpu(rand, layout, with_bias):
+    a, b = mm_operands(rand, 7, 5, 3, layout)
+    bias = rand.randn(3) if with_bias else None
+    want = a.double() @ b.double() + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(ops.mm_tf32(a, b, bias).double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 4, 3), (4, 0, 3), (4, 3, 0)])
+def test_mm_tf32_of_empty_matrices(rand, m, k, n):
+    bias = rand.randn(n)
+    got = ops.mm_tf32(rand.randn(m, k), rand.randn(k, n), bias)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, bias.expand(m, n))  # k = 0: the bias alone
+
+
+def test_mm_tf32_argument_checks_name_the_problem(rand):
+    a, b = rand.randn(4, 3), rand.randn(3, 2)
+    with raises_matching(RuntimeError, "a and b must be matrices, got 1-d and 2-d"):
+        ops.mm_tf32(a[0], b)
+    with raises_matching(RuntimeError, "a and b must be float32, got Double and Float"):
+        ops.mm_tf32(a.double(), b)
+    with raises_matching(RuntimeError, r"a is \[4, 3\] and b is \[2, 2\]: a's columns must equal b's rows"):
+        ops.mm_tf32(a, b[:2])
+    with raises_matching(RuntimeError, r"bias must be float32 of shape \(2\), got Float of shape \[3\]"):
+        ops.mm_tf32(a, b, rand.randn(3))
+    with raises_matching(TypeError, "bias"):
+        ops.mm_tf32(a, b, [1.0, 2.0])
+
+
+def test_mm_tf32_fake_kernel_gives_the_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert torch.ops.vlseq_ext.mm_tf32(torch.empty(5, 3), torch.empty(3, 7), torch.empty(7)).shape == (5, 7)

@@ -333,6 +333,15 @@ def rnn_plan(cell: str, hidden_size: int, batch: int, weights: str, device, max_
     return torch.ops.vlseq_ext.rnn_plan(cell, int(hidden_size), int(batch), weights, like, int(max_blocks))
 
 
+def mm_tf32(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """a @ b (+ bias) of float32 matrices as a new tensor: on CUDA with TF32 products on the tensor
+    cores and float32 sums whatever torch.backends.cuda.matmul.allow_tf32 says (cuBLASLt; the GEMMs of
+    vlseq_ext.nn's "tf32" mode); exact on the CPU. Operands may be transposed views (no copy)."""
+    args = lambda: [("a", a, False), ("b", b, False), ("bias", bias, True)]  # noqa: E731
+    return _run("mm_tf32", args, lambda: torch.ops.vlseq_ext.mm_tf32(a, b, bias),
+                lambda: a @ b if bias is None else torch.addmm(bias, a, b))
+
+
 def _same_device(op: str, tensors: Sequence[Optional[Tensor]], ref: str, device: torch.device) -> None:
     for i, t in enumerate(tensors):
         if t is not None and t.device != device:
@@ -379,6 +388,7 @@ def _register_fakes() -> None:
                 y.new_empty(B, H) if lstm else y.new_empty(0))
 
     fake("vlseq_ext::rnn_forward")(rnn_forward_fake)
+    fake("vlseq_ext::mm_tf32")(lambda a, b, bias=None: a.new_empty(a.shape[0], b.shape[1]))
     fake("vlseq_ext::rnn_backward")(rnn_backward_fake)
 
 

@@ -3,7 +3,7 @@ results under `diag.limits`; GPUs only).
 
   points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
       where one GPU of ours is slowest against the best plain one-GPU loop: one-sample LSTM h256 l2
-      and h1024 l1 at k=32, list-form LSTM h1024 l1 at k=32. A few steps back to back (one sync at
+      and h1024 l1 at k=32, list-form LSTM h256 l2 and h1024 l1 at k=32. A few steps back to back (one sync at
       the end) under torch.profiler:
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
@@ -39,7 +39,7 @@ from .sweep_points import POOL, ModelSpec, point_name
 from .timing import Budget, is_kernel, synchronizer, time_loop
 
 POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
-          ("list", ModelSpec("lstm", 1024, 1), 32))
+          ("list", ModelSpec("lstm", 256, 2), 32), ("list", ModelSpec("lstm", 1024, 1), 32))
 PROFILED_STEPS = 4
 GRAPH_KERNELS = 1000
 STREAMS = (1, 4, 8)
@@ -50,7 +50,7 @@ LAUNCH_REPLAYS = 32
 SCALING_MODELS = (ModelSpec("lstm", 256, 2), ModelSpec("lstm", 1024, 1))
 SCALING_BATCHES = (1, 8, 32, 128)
 SCALING_LENGTH = 480
-TOP_KERNELS = 4
+TOP_KERNELS = 8
 KERNEL_NAME_CHARS = 90
 
 

@@ -8,9 +8,10 @@ length never run, its outputs there are zero and its gradients there are zero.
 
 Precision: "fp32" keeps everything in float32 (the GEMMs follow torch.backends.cuda.matmul.allow_tf32,
 off by default); "tf32" (chosen where cuDNN would run TF32: torch.backends.cudnn.allow_tf32, on by
-default) is "fp32" with the recurrent products of the grid layout (hidden ~440 and up) on the tensor
-cores in TF32, as cuDNN's RNNs run under that flag; "bf16" (chosen under bf16 autocast) runs the GEMMs
-in bfloat16 and holds W_hh in bfloat16 on chip. State and accumulation are float32 in every mode.
+default) runs the GEMMs (input projections, input and weight gradients) in TF32 on the tensor cores
+(ops.mm_tf32) and the recurrent products of the grid layout (hidden ~440 and up) there too, as cuDNN's
+RNNs run both under that flag; "bf16" (chosen under bf16 autocast) runs the GEMMs in bfloat16 and holds
+W_hh in bfloat16 on chip. State and accumulation are float32 in every mode.
 """
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def precision_for(x: Tensor) -> str:
     return "fp32"
 
 
-def _gemm(a: Tensor, b: Tensor, precision: str) -> Tensor:
-    """a @ b in float32 (TF32 as torch.backends.cuda.matmul.allow_tf32 says), or in bfloat16 (then widened)
-    for the bf16 mode."""
+def _gemm(a: Tensor, b: Tensor, precision: str, bias: Optional[Tensor] = None) -> Tensor:
+    """a @ b (+ bias): in TF32 for the tf32 mode, in bfloat16 (then widened) for bf16, else in float32
+    (TF32 as torch.backends.cuda.matmul.allow_tf32 says)."""
+    if precision == "tf32" and a.is_cuda:
+        return ops.mm_tf32(a, b, bias)
     if precision == "bf16":
-        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
-    return a @ b
+        out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
+        return out if bias is None else out + bias
+    return a @ b if bias is None else torch.addmm(bias, a, b)  # the bias in the GEMM's epilogue
 
 
 def _recurrent_weight_grad(dgh: Tensor, y: Tensor, h0: Tensor, lengths: Optional[Tensor], reverse: bool,
@@ -81,12 +85,7 @@ def _recurrence(cell: str, precision: str, reverse: bool, max_blocks: int, x: Te
     """One layer and direction over x (B, T, D): the input projection of every step (one GEMM), then
     the recurrence (ops.rnn_forward): (y, h_n, c_n, saved, cs)."""
     B, T, D = x.shape
-    if b_ih is not None and precision != "bf16":  # the bias in the GEMM's epilogue, not another pass
-        xproj = torch.addmm(b_ih, x.reshape(B * T, D), w_ih.t())
-    else:
-        xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision)
-        if b_ih is not None:
-            xproj = xproj + b_ih
+    xproj = _gemm(x.reshape(B * T, D), w_ih.t(), precision, b_ih)
     return ops.rnn_forward(cell, xproj.view(B, T, -1).contiguous(), w_hh.contiguous(), _contiguous(b_hh),
                            h0.contiguous(), _contiguous(c0), lengths, reverse, precision, max_blocks)
 

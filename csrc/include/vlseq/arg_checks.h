@@ -25,5 +25,7 @@ bool parse_reduce_op(const char* op, const std::string& name);
 int64_t check_device_lists(const char* op, at::TensorList tensors, int64_t num_devices, bool one_list_per_device);
 // broadcast_ / broadcast_tensors_: dsts is device-major, len(dsts) a multiple of len(srcs).
 void check_broadcast_lists(const char* op, at::TensorList srcs, at::TensorList dsts);
+// mm_tf32: float32 matrices a (m, k), b (k, n) and bias (n) or none, on one device.
+void check_mm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 
 }  // namespace vlseq
