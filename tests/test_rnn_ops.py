@@ -210,11 +210,12 @@ def test_negative_block_budget_is_refused(call):
 
 @pytest.mark.parametrize("layout", ["rows", "transposed", "slices", "strided"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_mm_tf32_is_the_exact_product_on_the_cpu(rand, layout, with_bias):
+@pytest.mark.parametrize("mm", [ops.mm_tf32, reference.mm_tf32], ids=["kernel", "reference"])
+def test_mm_tf32_is_the_exact_product_on_the_cpu(rand, layout, with_bias, mm):
     a, b = mm_operands(rand, 7, 5, 3, layout)
     bias = rand.randn(3) if with_bias else None
     want = a.double() @ b.double() + (bias.double() if with_bias else 0)
-    torch.testing.assert_close(ops.mm_tf32(a, b, bias).double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mm(a, b, bias).double(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("m,k,n", [(0, 4, 3), (4, 0, 3), (4, 3, 0)])
@@ -231,6 +232,10 @@ def test_mm_tf32_argument_checks_name_the_problem(rand):
         ops.mm_tf32(a[0], b)
     with raises_matching(RuntimeError, "a and b must be float32, got Double and Float"):
         ops.mm_tf32(a.double(), b)
+    with raises_matching(RuntimeError, r"a must be a float32 matrix, got torch.float64 of shape \(4, 3\)"):
+        reference.mm_tf32(a.double(), b)
+    with raises_matching(RuntimeError, r"a is \[4, 3\] and b is \[2, 2\]: a's columns must equal b's rows"):
+        reference.mm_tf32(a, b[:2])
     with raises_matching(RuntimeError, r"a is \[4, 3\] and b is \[2, 2\]: a's columns must equal b's rows"):
         ops.mm_tf32(a, b[:2])
     with raises_matching(RuntimeError, r"bias must be float32 of shape \(2\), got Float of shape \[3\]"):

@@ -338,8 +338,7 @@ def mm_tf32(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     cores and float32 sums whatever torch.backends.cuda.matmul.allow_tf32 says (cuBLASLt; the GEMMs of
     vlseq_ext.nn's "tf32" mode); exact on the CPU. Operands may be transposed views (no copy)."""
     args = lambda: [("a", a, False), ("b", b, False), ("bias", bias, True)]  # noqa: E731
-    return _run("mm_tf32", args, lambda: torch.ops.vlseq_ext.mm_tf32(a, b, bias),
-                lambda: a @ b if bias is None else torch.addmm(bias, a, b))
+    return _run("mm_tf32", args, lambda: torch.ops.vlseq_ext.mm_tf32(a, b, bias), lambda: reference.mm_tf32(a, b, bias))
 
 
 def _same_device(op: str, tensors: Sequence[Optional[Tensor]], ref: str, device: torch.device) -> None:

@@ -307,3 +307,19 @@ def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, 
         dgates[rows, t] = d
         dh[rows] = dgh @ W + direct
     return dgates, dgates_hn, dh, (dc if lstm else y.new_empty(0))
+
+
+def mm_tf32(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """a @ b (+ bias) of float32 matrices, exact (the CPU kernel's result; the CUDA kernel's TF32
+    products are within ~1e-3 of it)."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2 or t.dtype != torch.float32:
+            raise RuntimeError(f"vlseq_ext::mm_tf32: {name} must be a float32 matrix, got {t.dtype} of shape "
+                               f"{tuple(t.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(f"vlseq_ext::mm_tf32: a is {list(a.shape)} and b is {list(b.shape)}: a's columns must "
+                           "equal b's rows")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != torch.float32):
+        raise RuntimeError(f"vlseq_ext::mm_tf32: bias must be float32 of shape ({b.shape[1]}), got {bias.dtype} "
+                           f"of shape {list(bias.shape)}")
+    return a @ b if bias is None else torch.addmm(bias, a, b)
