@@ -34,7 +34,9 @@ void check_cublas(cublasStatus_t status, const char* what) {
 }
 
 cublasLtHandle_t handle_for(int device) {
-  // One handle per device, shared by all threads: cuBLASLt takes the stream and workspace per call.
+  // One handle per device, shared by all threads: cuBLAS allows it (its handles' settings never change
+  // here), and cuBLASLt takes the stream and workspace per call (with a workspace of the caller's, its
+  // results stay deterministic on concurrent streams: cuBLAS's notes on reproducibility).
   static std::mutex mutex;
   static std::map<int, cublasLtHandle_t> handles;
   std::lock_guard<std::mutex> lock(mutex);
