@@ -387,8 +387,8 @@ def _register_fakes() -> None:
                 y.new_empty(B, H) if lstm else y.new_empty(0))
 
     fake("vlseq_ext::rnn_forward")(rnn_forward_fake)
-    fake("vlseq_ext::mm_tf32")(lambda a, b, bias=None: a.new_empty(a.shape[0], b.shape[1]))
     fake("vlseq_ext::rnn_backward")(rnn_backward_fake)
+    fake("vlseq_ext::mm_tf32")(lambda a, b, bias=None: a.new_empty(a.shape[0], b.shape[1]))
 
 
 _register_fakes()

@@ -2,9 +2,9 @@
 results under `diag.limits`; GPUs only).
 
   points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
-      where one GPU of ours is slowest against the best plain one-GPU loop: one-sample LSTM h256 l2
-      and h1024 l1 at k=32, list-form LSTM h256 l2 and h1024 l1 at k=32. A few steps back to back (one sync at
-      the end) under torch.profiler:
+      where one GPU of ours is slowest against the best plain one-GPU loop: one-sample and list-form
+      LSTM h256 l2 and h1024 l1 at k=32. A few steps back to back (one sync at the end) under
+      torch.profiler:
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
       the mean number of kernels in flight; kernels completed per second. For the padded plan, the
