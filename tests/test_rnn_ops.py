@@ -248,3 +248,22 @@ def test_mm_tf32_fake_kernel_gives_the_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         assert torch.ops.vlseq_ext.mm_tf32(torch.empty(5, 3), torch.empty(3, 7), torch.empty(7)).shape == (5, 7)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mm_tf32_gradients_are_the_products(rand, with_bias):
+    """Differentiable: on the CPU (exact) its gradients are torch's own for a @ b + bias, for any subset
+    of the inputs that requires them, and its output keeps no extra autograd graph of the kernel's."""
+    a, b = rand.randn(6, 5), rand.randn(5, 3)
+    bias = rand.randn(3) if with_bias else None
+    up = rand.randn(6, 3)
+    for wants in ([True, True, True], [True, False, False], [False, True, False]):
+        leaves = [t.clone().requires_grad_(w) if t is not None else None for t, w in zip((a, b, bias), wants)]
+        ops.mm_tf32(*leaves).backward(up)
+        ref = [t.clone().requires_grad_(w) if t is not None else None for t, w in zip((a, b, bias), wants)]
+        (ref[0] @ ref[1] + (ref[2] if ref[2] is not None else 0)).backward(up)
+        for name, got, want in zip("a b bias".split(), leaves, ref):
+            if got is None or not got.requires_grad:
+                continue
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert ops.mm_tf32(a.requires_grad_(), b).grad_fn.name() != "MmBackward0"

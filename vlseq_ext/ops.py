@@ -336,7 +336,8 @@ def rnn_plan(cell: str, hidden_size: int, batch: int, weights: str, device, max_
 def mm_tf32(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """a @ b (+ bias) of float32 matrices as a new tensor: on CUDA with TF32 products on the tensor
     cores and float32 sums whatever torch.backends.cuda.matmul.allow_tf32 says (cuBLASLt; the GEMMs of
-    vlseq_ext.nn's "tf32" mode); exact on the CPU. Operands may be transposed views (no copy)."""
+    vlseq_ext.nn's "tf32" mode); exact on the CPU. Operands may be transposed views (no copy).
+    Differentiable (its backward's products on mm_tf32 too)."""
     args = lambda: [("a", a, False), ("b", b, False), ("bias", bias, True)]  # noqa: E731
     return _run("mm_tf32", args, lambda: torch.ops.vlseq_ext.mm_tf32(a, b, bias), lambda: reference.mm_tf32(a, b, bias))
 
@@ -391,4 +392,28 @@ def _register_fakes() -> None:
     fake("vlseq_ext::mm_tf32")(lambda a, b, bias=None: a.new_empty(a.shape[0], b.shape[1]))
 
 
+def _mm_tf32_setup(ctx, inputs, output) -> None:
+    a, b, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+
+
+def _mm_tf32_backward(ctx, grad: Tensor):
+    """The gradients of a @ b + bias, their products on mm_tf32 too (TF32 on CUDA, as torch's matmul
+    under its TF32 flag computes its own backward)."""
+    a, b = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    da = torch.ops.vlseq_ext.mm_tf32(grad, b.t()) if need[0] else None
+    db = torch.ops.vlseq_ext.mm_tf32(a.t(), grad) if need[1] else None
+    dbias = grad.sum(0) if ctx.has_bias and need[2] else None
+    return da, db, dbias
+
+
+def _register_autograd() -> None:
+    """mm_tf32 is differentiable (the other ops are the pieces of vlseq_ext.nn's own autograd)."""
+    if _ext.LOADED:
+        torch.library.register_autograd("vlseq_ext::mm_tf32", _mm_tf32_backward, setup_context=_mm_tf32_setup)
+
+
 _register_fakes()
+_register_autograd()
