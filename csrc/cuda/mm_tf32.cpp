@@ -101,12 +101,13 @@ at::Tensor mm_tf32_cuda(const at::Tensor& a, const at::Tensor& b, const std::opt
   for (int64_t dim : {m, n, k})
     TORCH_CHECK(dim <= INT32_MAX, "vlseq_ext::mm_tf32: a is ", a.sizes(), " and b is ", b.sizes(),
                 ": a dimension past 2^31 - 1");
-  // The bias epilogue reads whole 16-byte vectors: a bias view at another offset goes through a copy.
+  // cuBLASLt takes no alignment hint for the bias epilogue: a bias view off 16 bytes goes as a copy.
   at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
   if (bias && alignment(bias_c.const_data_ptr(), 0) < 16) bias_c = bias_c.clone();
   // out (m x n, row-major) is column-major out^T (n x m) = b^T a^T: b is cuBLAS's A and a its B.
   Operand ob = operand(b), oa = operand(a);
   at::Tensor out = at::empty({m, n}, a.options());
+  // Alignments of cuBLAS's A (b), B (a) and D (out).
   const uint32_t align_a = alignment(ob.t.const_data_ptr(), ob.ld), align_b = alignment(oa.t.const_data_ptr(), oa.ld),
                  align_d = alignment(out.const_data_ptr(), n);
 
@@ -135,7 +136,8 @@ at::Tensor mm_tf32_cuda(const at::Tensor& a, const at::Tensor& b, const std::opt
   const AlgoKey key{device, m, n, k, ob.transposed, oa.transposed, ob.ld, oa.ld, bool(bias), align_a, align_b,
                     align_d};
   static std::mutex mutex;
-  static std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algos;  // nullopt: cuBLASLt has none
+  // nullopt: cuBLASLt has none. One entry per shape seen (eager padded batches add one per new length).
+  static std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algos;
   std::optional<cublasLtMatmulAlgo_t> algo;
   {
     std::lock_guard<std::mutex> lock(mutex);
