@@ -101,6 +101,39 @@ def test_bad_input_is_named(rand, path):
         vnn.GRU(3, 4, kernels="fast")
 
 
+@pytest.mark.parametrize("given", ["padded", "lengths", "packed"])
+def test_bad_state_and_dtype_are_named_on_every_path(rand, path, given):
+    """torch's own modules fail on some of these inside a GEMM or on `.dim` (packed input skips
+    their dtype check): ours name the problem whichever path the call takes."""
+    lstm = vnn.LSTM(3, 4, batch_first=True, kernels="auto")
+    gru = vnn.GRU(3, 4, batch_first=True, kernels="auto")
+    x = rand.randn(2, 5, 3)
+
+    def call(module, x, hx=None):
+        if given == "packed":
+            return module(pack_padded_sequence(x, torch.tensor([5, 2]), batch_first=True), hx)
+        return module(x, hx, lengths=torch.tensor([5, 2]) if given == "lengths" else None)
+
+    h = rand.randn(1, 2, 4)
+    with raises_matching(ValueError, r"an LSTM's hx must be a tuple of two tensors \(h0, c0\), got Tensor"):
+        call(lstm, x, h)
+    with raises_matching(ValueError, "an LSTM's hx must be a tuple of two tensors .*got tuple of Tensor, ndarray"):
+        call(lstm, x, (h, h.numpy()))
+    with raises_matching(ValueError, r"a GRU's hx must be a tensor \(h0\), got tuple of Tensor"):
+        call(gru, x, (h,))
+    with raises_matching(ValueError, "a GRU's hx must be a tensor .*got ndarray"):
+        call(gru, x, h.numpy())
+    with raises_matching(ValueError, "initial state must be torch.float32 like the parameters, got torch.float64"):
+        call(gru, x, h.double())
+    with raises_matching(ValueError, r"input dtype \(torch.float64\) does not match weight dtype \(torch.float32\)"):
+        call(lstm, x.double())
+    with raises_matching(ValueError, r"input dtype \(torch.bfloat16\) does not match"):
+        call(gru, x.bfloat16())
+    as_list, as_tuple = call(lstm, x, [h, h + 1]), call(lstm, x, (h, h + 1))  # a list is taken as torch takes it
+    out = (lambda o: o.data) if given == "packed" else (lambda o: o)
+    assert torch.equal(out(as_list[0]), out(as_tuple[0]))
+
+
 def test_state_dict_and_parameters_are_torchs(rand):
     ref, mine = pair(nn.LSTM, 3, 4, num_layers=2, bidirectional=True, bias=False)
     assert list(ref.state_dict()) == list(mine.state_dict())

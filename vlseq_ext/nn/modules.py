@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence, pad_sequence
 
 from .. import ops
-from . import concurrency, functional, gather
+from . import arguments, concurrency, functional, gather
 
 __all__ = ["LSTM", "GRU", "KERNEL_CHOICES", "use_kernels", "VlseqFallbackWarning"]
 
@@ -178,9 +178,11 @@ class _KernelRNN:
             raise ValueError(f"input must be 2-D (steps, features) or 3-D, got shape {tuple(input.shape)}")
         if input.shape[-1] != self.input_size:
             raise ValueError(f"input has {input.shape[-1]} features per step, the module expects {self.input_size}")
+        arguments.check_input_dtype(self, input)
+        hx = arguments.state_kind(self, hx)
         unbatched = input.dim() == 2
         x = input.unsqueeze(0) if unbatched else (input if self.batch_first else input.transpose(0, 1))
-        lengths = self._lengths(lengths, x.shape[0], x.shape[1], x.device, unbatched)
+        lengths = arguments.lengths_tensor(lengths, x.shape[0], x.shape[1], x.device, unbatched)
         if unbatched and hx is not None:
             hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
         return x, hx, lengths, unbatched
@@ -192,7 +194,7 @@ class _KernelRNN:
             return self._torch_padded(x, hx, lengths)
         steps = (lengths.to(x.device, non_blocking=True) if lengths is not None
                  else torch.full((B,), T, dtype=torch.long, device=x.device))
-        self._check_state(hx, B, x)
+        arguments.check_state(self, hx, B, x)
         out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, T))
         return out, ((h_n, c_n) if isinstance(self, nn.LSTM) else h_n)
 
@@ -220,7 +222,7 @@ class _KernelRNN:
             x, h, n, unbatched = self._as_batch(input, hx, lengths)
             if 0 in x.shape[:2]:  # no sample or no step: torch's own answer, as alone
                 return None
-            self._check_state(h, x.shape[0], x)
+            arguments.check_state(self, h, x.shape[0], x)
             return x, h, n, unbatched
 
         def run_joined(parts: List[tuple]) -> List[tuple]:
@@ -274,36 +276,6 @@ class _KernelRNN:
 
         return (field(0), field(1)) if lstm else field(0)
 
-    def _lengths(self, lengths, B: int, T: int, device, unbatched: bool) -> Optional[Tensor]:
-        """lengths as an int64 tensor on `device`, checked when they are on the CPU (a CUDA tensor is
-        used as is: checking it would wait for the GPU; the kernels clamp it to [0, T])."""
-        if lengths is None:
-            return None
-        if unbatched:
-            raise ValueError("lengths= needs batched input (batch, steps, features) or (steps, batch, features)")
-        if not isinstance(lengths, Tensor):
-            lengths = torch.as_tensor(lengths)
-        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
-            raise ValueError(f"lengths must be integers, got {lengths.dtype}")
-        if tuple(lengths.shape) != (B,):
-            raise ValueError(f"lengths must have shape ({B},) (one per sample), got {tuple(lengths.shape)}")
-        if lengths.device.type == "cpu" and B and (int(lengths.min()) < 1 or int(lengths.max()) > T):
-            raise ValueError(f"lengths must be in 1..{T} (the padded number of steps), got "
-                             f"{int(lengths.min())}..{int(lengths.max())}")
-        return lengths.to(device=device, dtype=torch.long, non_blocking=True)
-
-    def _check_state(self, hx, B: int, x: Tensor) -> None:
-        dirs = 2 if self.bidirectional else 1
-        want = (self.num_layers * dirs, B, self.hidden_size)
-        states = hx if isinstance(hx, tuple) else (() if hx is None else (hx,))
-        if isinstance(self, nn.LSTM) and hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
-            raise ValueError("an LSTM's hx must be a tuple (h0, c0)")
-        for s in states:
-            if tuple(s.shape) != want:
-                raise ValueError(f"initial state must have shape {want}, got {tuple(s.shape)}")
-            if s.device != x.device:
-                raise ValueError(f"initial state is on {s.device} but the input is on {x.device}")
-
     def _torch_padded(self, x: Tensor, hx, lengths: Optional[Tensor]):
         """torch's RNN with the kernels' semantics for padded input: packed by lengths (a CUDA
         lengths tensor is read on the host here), outputs zero past each length."""
@@ -323,12 +295,14 @@ class _KernelRNN:
         return super().forward(packed, hx)  # type: ignore[misc]
 
     def _run_packed(self, packed: PackedSequence, hx):
+        arguments.check_input_dtype(self, packed.data)
+        hx = arguments.state_kind(self, hx)
         if not self.uses_kernels(packed.data, int(packed.batch_sizes[0]), True):
             return self._packed_torch(packed, hx)
         x, lengths = pad_packed_sequence(packed, batch_first=True)  # original batch order
         B = x.shape[0]
         steps = lengths.to(x.device, non_blocking=True)
-        self._check_state(hx, B, x)
+        arguments.check_state(self, hx, B, x)
         out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, x.shape[1]))
         # Same packing (batch sizes and order) as the input, as torch's modules return.
         if packed.sorted_indices is not None:
