@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _ext, reference
+from . import _op_registrations  # noqa: F401 - importing registers the fake kernels and mm_tf32's autograd
 
 __all__ = [
     "has_extension",
@@ -341,7 +342,3 @@ def mm_tf32(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     Differentiable (its backward's products on mm_tf32 too)."""
     args = lambda: [("a", a, False), ("b", b, False), ("bias", bias, True)]  # noqa: E731
     return _run("mm_tf32", args, lambda: torch.ops.vlseq_ext.mm_tf32(a, b, bias), lambda: reference.mm_tf32(a, b, bias))
-
-
-# Importing registers the ops' fake kernels (torch.compile) and mm_tf32's autograd formula.
-from . import _op_registrations  # noqa: E402,F401
