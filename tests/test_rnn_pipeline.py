@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from vlseq_ext import ops
 from vlseq_ext.nn import concurrency, functional
 
 pytestmark = pytest.mark.usefixtures("compiled_ops")
@@ -129,13 +130,19 @@ def test_frozen_layer_gets_no_gradient_and_the_others_are_unchanged(rand, chunks
         torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
 
 
-def test_max_blocks_is_for_one_launch_at_a_time(rand):
-    """functional.rnn's max_blocks bounds launches that run one at a time (the modules' sm_budget):
-    with a pipelined stack or side-by-side directions it is refused, not ignored."""
+def test_max_blocks_reaches_every_window_and_excludes_side_by_side(rand, monkeypatch):
+    """functional.rnn's max_blocks bounds every launch, a pipelined stack's windows included (forward
+    and backward); with side-by-side directions, which set their own share, it is refused, not ignored."""
     module = nn.LSTM(3, 4, num_layers=2, batch_first=True)
     x, lengths = rand.randn(2, 5, 3), torch.tensor([5, 3])
-    with pytest.raises(ValueError, match="max_blocks"):
-        functional.rnn(module, x, lengths, chunks=2, max_blocks=8)
+    seen = []
+    for name in ("rnn_forward", "rnn_backward"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: seen.append((_name, a[-1])) or _real(*a))
+    out, h_n, _ = functional.rnn(module, x.requires_grad_(), lengths, chunks=2, max_blocks=8)
+    (out.sum() + h_n.sum()).backward()
+    # 2 layers x 2 windows, each way
+    assert sorted(seen) == [("rnn_backward", 8)] * 4 + [("rnn_forward", 8)] * 4
     with pytest.raises(ValueError, match="max_blocks"):
         functional.rnn(module, x, lengths, side_by_side_blocks=66, max_blocks=8)
 

@@ -164,10 +164,11 @@ class _Pipelined(torch.autograd.Function):
     while layer l runs window k + 1 (each layer on its own stream, an event per window between
     them); backward runs the windows in reverse, the top layer ahead. A window is a batch with the
     sample lengths cut to it and the state carried in from the window before (forward: h and c;
-    backward: dh and dc), so every result equals the layer-by-layer one."""
+    backward: dh and dc), so every result equals the layer-by-layer one. Each launch is planned for at
+    most max_blocks SMs (0: the whole GPU)."""
 
     @staticmethod
-    def forward(ctx, cell: str, precision: str, chunks: int, dropout: float, x: Tensor, lengths: Tensor,
+    def forward(ctx, cell: str, precision: str, chunks: int, max_blocks: int, dropout: float, x: Tensor, lengths: Tensor,
                 h0: Tensor, c0: Optional[Tensor], *weights: Optional[Tensor]):
         L = len(weights) // 4
         B, T, _ = x.shape
@@ -197,8 +198,8 @@ class _Pipelined(torch.autograd.Function):
                             inp = inp * masks[l][:, t0:t1]
                         hk = h0[l] if k == 0 else h_n[l]
                         ck = (c0[l] if k == 0 else c_n[l]) if lstm else None
-                        y, h_n[l], cn, sv, cs = _recurrence(cell, precision, False, 0, inp, lens[k], hk, ck, w_ih, w_hh,
-                                                            b_ih, b_hh)
+                        y, h_n[l], cn, sv, cs = _recurrence(cell, precision, False, max_blocks, inp, lens[k], hk, ck,
+                                                            w_ih, w_hh, b_ih, b_hh)
                         c_n[l] = cn if lstm else None
                         ys[l][k], saved[l][k] = y, (hk, ck, sv, cs)
                         done[l][k] = concurrency.record(streams[l])
@@ -207,7 +208,7 @@ class _Pipelined(torch.autograd.Function):
         h_stack = torch.stack(h_n)
         c_stack = torch.stack(c_n) if lstm else h_stack.new_empty(0)
         concurrency.settle(main, streams)
-        ctx.meta = (cell, precision, bounds, L)
+        ctx.meta = (cell, precision, bounds, L, max_blocks)
         ctx.set_materialize_grads(False)
         if not lstm:
             ctx.mark_non_differentiable(c_stack)
@@ -218,7 +219,7 @@ class _Pipelined(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Optional[Tensor], dh_n: Optional[Tensor], dc_n: Optional[Tensor]):
-        cell, precision, bounds, L = ctx.meta
+        cell, precision, bounds, L, max_blocks = ctx.meta
         x, *ws = ctx.saved_tensors
         w_ihs, w_hhs = ws[:L], ws[L:]
         lens, ys, saved, masks = ctx.chunks
@@ -247,11 +248,11 @@ class _Pipelined(torch.autograd.Function):
                         else:
                             dh, dc = dh0[l], dc0[l]
                         hk, ck, sv, cs = saved[l][k]
-                        dg, dg_hn, dh0[l], dcl = _recurrence_backward(cell, precision, False, 0, w_hhs[l], ys[l][k], sv,
-                                                                      cs, hk, ck, lens[k], dy, dh, dc)
+                        dg, dg_hn, dh0[l], dcl = _recurrence_backward(cell, precision, False, max_blocks, w_hhs[l],
+                                                                      ys[l][k], sv, cs, hk, ck, lens[k], dy, dh, dc)
                         dc0[l] = dcl if lstm else None
                         dgates[l][k], dgates_hn[l][k] = dg, dg_hn
-                        if l > 0 or ctx.needs_input_grad[4]:
+                        if l > 0 or ctx.needs_input_grad[5]:
                             din = _gemm(dg.view(B * (t1 - t0), -1), w_ihs[l], precision).view(B, t1 - t0, -1)
                             dins[l][k] = din * masks[l][:, t0:t1] if masks[l] is not None else din
                         done[l][k] = concurrency.record(streams[l])
@@ -259,13 +260,13 @@ class _Pipelined(torch.autograd.Function):
                             grads[4 * l:4 * l + 4] = _weight_grads(
                                 cell, precision, torch.cat(dgates[l], 1), None if lstm else torch.cat(dgates_hn[l], 1),
                                 _layer_input(x, ys, masks, l), torch.cat(ys[l], 1), saved[l][0][0], None, False,
-                                ctx.needs_input_grad[8 + 4 * l:12 + 4 * l])
+                                ctx.needs_input_grad[9 + 4 * l:13 + 4 * l])
         concurrency.join(main, streams)
-        dx = torch.cat(dins[0], 1) if ctx.needs_input_grad[4] else None
-        dh0_all = torch.stack(dh0) if ctx.needs_input_grad[6] else None
-        dc0_all = torch.stack(dc0) if lstm and ctx.needs_input_grad[7] else None
+        dx = torch.cat(dins[0], 1) if ctx.needs_input_grad[5] else None
+        dh0_all = torch.stack(dh0) if ctx.needs_input_grad[7] else None
+        dc0_all = torch.stack(dc0) if lstm and ctx.needs_input_grad[8] else None
         concurrency.settle(main, streams)
-        return (None, None, None, None, dx, None, dh0_all, dc0_all, *grads)
+        return (None, None, None, None, None, dx, None, dh0_all, dc0_all, *grads)
 
 
 def _windows(T: int, chunks: int) -> List[Tuple[int, int]]:
@@ -300,8 +301,8 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
     launch planned for at most that many SMs (the modules give half the GPU when
     concurrency.side_by_side allows it); otherwise, with chunks 1, every launch is planned for at most
     max_blocks SMs (0: the whole GPU; the modules' concurrency.sm_budget)."""
-    if max_blocks and (chunks > 1 or side_by_side_blocks):
-        raise ValueError("max_blocks is for layers run one launch at a time (chunks 1, no side_by_side_blocks)")
+    if max_blocks and side_by_side_blocks:
+        raise ValueError("max_blocks and side_by_side_blocks both set the SMs a launch may take: give one")
     lstm = isinstance(module, nn.LSTM)
     cell = "lstm" if lstm else "gru"
     dirs = 2 if module.bidirectional else 1
@@ -319,8 +320,8 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
     if chunks > 1 and dirs == 1 and module.num_layers > 1:
         weights = [w for layer in range(module.num_layers) for w in weights_of(module, layer, False)]
         dropout = module.dropout if module.training else 0.0
-        out, h_n, c_n = _Pipelined.apply(cell, precision, chunks, dropout, layer_in, lengths, h0, c0 if lstm else None,
-                                         *weights)
+        out, h_n, c_n = _Pipelined.apply(cell, precision, chunks, max_blocks, dropout, layer_in, lengths, h0,
+                                         c0 if lstm else None, *weights)
         return out, h_n, (c_n if lstm else None)
     # The reverse direction on a side stream, beside the forward one (its backward follows it there:
     # autograd runs a node's backward on its forward's stream).
