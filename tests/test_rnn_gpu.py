@@ -210,10 +210,13 @@ def test_plans_within_a_block_budget(B):
 
 
 @pytest.mark.parametrize("cell,H,lens,reverse", [("lstm", 256, (300,), False), ("gru", 256, (300,), True),
-                                                  ("lstm", 200, (37, 120), True), ("gru", 256, (1, 90), False)])
+                                                  ("lstm", 200, (37, 120), True), ("gru", 256, (1, 90), False),
+                                                  ("lstm", 256, (120, 300, 1), True), ("gru", 200, (90, 5, 300, 37), False),
+                                                  ("lstm", 256, (64, 64, 64, 64), False)])
 def test_op_wide_cluster_against_the_cpu_op(rand, cell, H, lens, reverse):
     """Within 8 SMs a layer of hidden 200-256 runs on the wide fused kernels (8 blocks, 8 chunks a lane;
-    tiles of one and two samples): every output and gradient against the CPU kernels."""
+    tiles of one, two and four samples, the last with 3 or 4): every output and gradient against the CPU
+    kernels."""
     plan = ops.rnn_plan(cell, H, len(lens), "fp32", DEV, max_blocks=8)
     assert plan.startswith("cluster 8 blocks x 1 groups") and "8 chunks a lane" in plan, plan
     compare_ops_with_cpu(rand, cell, lens, max(lens), H, reverse, max_blocks=8)

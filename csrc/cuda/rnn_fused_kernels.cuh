@@ -727,12 +727,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_fused_kernel(const B
     case 4: return (const void*)KERNEL<__VA_ARGS__, 4>;   \
     default: return (const void*)KERNEL<__VA_ARGS__, 8>;  \
   }
-#define VLSEQ_RNN_WIDE_SWITCH(KERNEL, C)                         \
-  switch (bt) {                                                  \
-    case 1: return (const void*)KERNEL<C, false, 1, true>;       \
-    default: return (const void*)KERNEL<C, false, 2, true>;      \
+#define VLSEQ_RNN_WIDE_SWITCH(KERNEL, C)                   \
+  switch (bt) {                                            \
+    case 1: return (const void*)KERNEL<C, false, 1, true>; \
+    case 2: return (const void*)KERNEL<C, false, 2, true>; \
+    default: return (const void*)KERNEL<C, false, 4, true>; \
   }
-static_assert(kWideMaxTile == 2, "VLSEQ_RNN_WIDE_SWITCH builds tiles 1 and 2");
+static_assert(kWideMaxTile == 4, "VLSEQ_RNN_WIDE_SWITCH builds tiles 1, 2 and 4");
 #define VLSEQ_RNN_KERNEL_TABLE(NAME, GENERIC, FUSED)                                  \
   const void* NAME(Cell c, Weights w, int bt, bool fused, bool local, bool wide) {    \
     const bool lstm = c == Cell::kLSTM;                                               \

@@ -189,7 +189,7 @@ __host__ __device__ constexpr int fused_chunks(bool local, int bt, bool wide = f
 }
 // The wide cluster kernels are built for batch tiles of 1 and 2 only (each lane's registers hold twice
 // the weights; wider tiles would add their sums to that).
-constexpr int kWideMaxTile = 2;
+constexpr int kWideMaxTile = 4;
 // The backward's units per lane group (FusedThread): with few workers each lane multiplies two units'
 // columns, so that each chunk of gate gradients it reads from shared memory serves both (the products
 // read half as much; they had been bound by shared-memory wavefronts: hidden 64 backward step 1,362 ->
