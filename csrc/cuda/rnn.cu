@@ -77,21 +77,23 @@ enum class Kernel { kGeneric, kFused, kScatter };
 
 // Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
 // timings of benchmarks/probe/step_timing.cu on an H200 (hidden 64-256, LSTM and GRU, 1-16 blocks,
-// 1-8 samples per block): the generic kernels and the fused forward to the seventh session's run 2
-// (the fused forward measures 5-35% below it since; refitting it alone would send fp32 LSTM 256 at
-// batch 32 to an unmeasured 8-block layout by a 2% margin, so it stays as the bench measured it), the
-// fused backwards to the eighth session's run 3, within about 12%.
+// 1-8 samples per block): the generic kernels and the single block's fused forward to the seventh
+// session's run 2, its fused backward and the reduce-scatter to the eighth session's run 3, within about
+// 12%; the fused kernels in clusters (the wide ones included) to the twenty-first session's run 1.
 //   generic   products from shared memory: ~850 + 0.58 per 128 B of W read per batch tile + 3.2 per
 //             FMA-clock (the block's FMAs over 128 lanes, samples padded to the tile, counted as an
 //             LSTM's: the GRU's three gates take as long as four); the cell, output stores and next
 //             step's loads ~1,100; the exchange ~850 plus the floats each block sends (bs * hs to
 //             each of nc blocks); the backward's delivery of H * bs partial sums by single-float
 //             stores, ~2.2 clocks each past the first sample's;
-//   fused     forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h and the
-//             block's single-float sends (~1 clock each) and ~150 of cell; backward (all-gather)
-//             ~720 plus, per sample, twice its FMA-clocks, each warp's reads of the 4 * H gate
-//             gradients and the block's float4 sends (single blocks: another ~500); a cluster's wait
-//             for its peers, ~300 more per step than a single block's __syncthreads;
+//   fused     single block: forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h
+//             and ~150 of cell; backward (all-gather) ~720 plus, per sample, twice its FMA-clocks and
+//             each warp's reads of the 4 * H gate gradients, and ~500. In a cluster (refitted to the
+//             twenty-first session's run 1: LSTM and GRU 256 on 8 wide and 16 plain blocks, 2-8
+//             samples a block, within ~8%): forward ~1,050 plus, per sample, the block's single-float
+//             sends (~1 clock each), ~60 per gate and a quarter of its FMA-clocks (the products issue
+//             under the sends and reads: the wide blocks' twice the FMAs cost no more per sample);
+//             backward ~800 plus, per sample, 1.7 times its FMA-clocks, reads and float4 sends;
 //   scatter   backward (reduce-scatter) ~1,900 plus, per sample, twice its FMA-clocks, a float4
 //             send per 4 units and ~80: slower than the all-gather at one sample (its two
 //             __syncthreads and the sums of the partials are on every step's path), up to 45%
@@ -102,10 +104,14 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
   const double R = G * hs, K = round_up(H, 4), fma = 4.0 * hs * K / 128.0;
   if (kernel == Kernel::kScatter) return 1900.0 + bs * (2.0 * fma + K / 4.0 + 80.0);
   if (kernel == Kernel::kFused) {
-    const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
-    if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
-    const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0 + sends;
-    return 720.0 + wait + bs * (2.0 * per_sample + (cluster ? 0.0 : 500.0));
+    const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0;  // the backward's
+    if (cluster) {
+      const double sends = hs * nc;
+      if (!backward) return 1050.0 + bs * (sends + 60.0 * G + 0.25 * R * K / 128.0);
+      return 800.0 + bs * 1.7 * (per_sample + sends);
+    }
+    if (!backward) return 1300.0 + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + 150.0);
+    return 720.0 + bs * (2.0 * per_sample + 500.0);
   }
   const double fmas = fma * round_up(bs, bt), wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
   const double products = 850.0 + 0.58 * wread + 3.16 * fmas, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
