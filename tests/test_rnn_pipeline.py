@@ -72,8 +72,8 @@ def test_dropout_masks_between_layers(rand):
 
 
 def test_pipeline_rule():
-    """Only stacks whose layers' launches take at most half the SMs, never the grid layout, windows
-    of >= 48 steps, at most 8."""
+    """Stacks whose layers' launches take at most half the SMs: windows of >= 48 steps, at most 8;
+    at most all the SMs on clusters of up to 8 blocks: at most 4; never the grid layout."""
     cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block, shared memory 67/70 KiB"
     assert concurrency.pipeline_chunks(cluster, 2, 480, 132) == 8
     assert concurrency.pipeline_chunks(cluster, 2, 100, 132) == 2
@@ -82,8 +82,15 @@ def test_pipeline_rule():
     wide = "cluster 8 blocks x 11 groups, 32 units and 3 samples per block, shared memory 140/141 KiB"
     assert concurrency.pipeline_chunks(wide, 2, 480, 132) == 1  # 176 blocks > 66
     eight = "cluster 8 blocks x 8 groups, 32 units and 1 samples per block, shared memory 132/134 KiB"
-    assert concurrency.pipeline_chunks(eight, 2, 480, 132) == 1  # 128 blocks: no SMs left for the GEMMs
+    assert concurrency.pipeline_chunks(eight, 2, 480, 132) == 4  # 128 of 132 SMs
+    assert concurrency.pipeline_chunks(eight, 2, 150, 132) == 3
+    assert concurrency.pipeline_chunks(eight, 3, 480, 132) == 1  # 192 blocks
     assert concurrency.pipeline_chunks(eight, 2, 480, 256) == 8
+    sixteen = "cluster 16 blocks x 4 groups, 16 units and 8 samples per block, shared memory 16/50 KiB"
+    assert concurrency.pipeline_chunks(sixteen, 2, 480, 132) == 1  # clusters of 16 and 128 SMs
+    assert concurrency.pipeline_chunks(sixteen, 2, 480, 256) == 8
+    single = "local 1 blocks x 60 groups, 64 units and 1 samples per block"
+    assert concurrency.pipeline_chunks(single, 2, 480, 132) == 4
     grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 512 columns at a time"
     assert concurrency.pipeline_chunks(grid, 2, 480, 1000) == 1
 

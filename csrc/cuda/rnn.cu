@@ -86,14 +86,18 @@ enum class Kernel { kGeneric, kFused, kScatter };
 //             step's loads ~1,100; the exchange ~850 plus the floats each block sends (bs * hs to
 //             each of nc blocks); the backward's delivery of H * bs partial sums by single-float
 //             stores, ~2.2 clocks each past the first sample's;
-//   fused     single block: forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h
-//             and ~150 of cell; backward (all-gather) ~720 plus, per sample, twice its FMA-clocks and
-//             each warp's reads of the 4 * H gate gradients, and ~500. In a cluster (refitted to the
-//             twenty-first session's run 1: LSTM and GRU 256 on 8 wide and 16 plain blocks, 2-8
-//             samples a block, within ~8%): forward ~1,050 plus, per sample, the block's single-float
-//             sends (~1 clock each), ~60 per gate and a quarter of its FMA-clocks (the products issue
-//             under the sends and reads: the wide blocks' twice the FMAs cost no more per sample);
-//             backward ~800 plus, per sample, 1.7 times its FMA-clocks, reads and float4 sends;
+//   fused     forward ~1,300 plus, per sample, its FMA-clocks, each warp's reads of h and the
+//             block's single-float sends (~1 clock each) and ~150 of cell; backward (all-gather)
+//             ~720 plus, per sample, twice its FMA-clocks, each warp's reads of the 4 * H gate
+//             gradients and the block's float4 sends (single blocks: another ~500); a cluster's wait
+//             for its peers, ~300 more per step than a single block's __syncthreads. Clusters of
+//             hidden 200 and more, refitted (twenty-first session, run 1: LSTM and GRU 256 on 8 wide
+//             and 16 plain blocks, 2-8 samples a block, within ~8%): forward ~1,050 plus, per sample,
+//             the sends, ~60 per gate and a quarter of its FMA-clocks (the products issue under the
+//             sends and reads: the wide blocks' twice the FMAs cost no more per sample); backward ~800
+//             plus, per sample, 1.7 times its FMA-clocks, reads and sends. The smaller sizes keep the
+//             first fit, which put them on single blocks as measured (hidden 64 at parity with cuDNN);
+//             the refit there would move them to clusters, unmeasured;
 //   scatter   backward (reduce-scatter) ~1,900 plus, per sample, twice its FMA-clocks, a float4
 //             send per 4 units and ~80: slower than the all-gather at one sample (its two
 //             __syncthreads and the sums of the partials are on every step's path), up to 45%
@@ -105,13 +109,14 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
   if (kernel == Kernel::kScatter) return 1900.0 + bs * (2.0 * fma + K / 4.0 + 80.0);
   if (kernel == Kernel::kFused) {
     const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0;  // the backward's
-    if (cluster) {
+    if (cluster && H >= 200) {  // the range measured (hidden 256 on 8 and 16 blocks); smaller ones as fitted before
       const double sends = hs * nc;
       if (!backward) return 1050.0 + bs * (sends + 60.0 * G + 0.25 * R * K / 128.0);
       return 800.0 + bs * 1.7 * (per_sample + sends);
     }
-    if (!backward) return 1300.0 + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + 150.0);
-    return 720.0 + bs * (2.0 * per_sample + 500.0);
+    const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
+    if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
+    return 720.0 + wait + bs * (2.0 * (per_sample + sends) + (cluster ? 0.0 : 500.0));
   }
   const double fmas = fma * round_up(bs, bt), wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
   const double products = 850.0 + 0.58 * wread + 3.16 * fmas, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);

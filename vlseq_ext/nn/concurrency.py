@@ -17,21 +17,34 @@ __all__ = ["pipeline_chunks", "side_by_side", "direction_blocks", "sm_count", "s
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
 # each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
-# costs one window per extra layer.
+# costs one window per extra layer. Where the layers' launches together take more than half the SMs,
+# at most PIPELINE_FULL_CHUNKS windows (their GEMMs find fewer SMs beside them).
 PIPELINE_MIN_STEPS = 48
 PIPELINE_MAX_CHUNKS = 8
+PIPELINE_FULL_CHUNKS = 4
 
 
 def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
-    """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none):
-    only when the launches of all layers (`plan`, from ops.rnn_plan: one block per SM) take at most
-    half the SMs, so that the windows of different layers really run at once and the windows' GEMMs
-    find SMs beside them (measured: at 8 samples, 128 of 132 SMs, the pipeline was slower); never
-    for the grid layout, whose cooperative launch needs its whole grid resident."""
+    """How many time windows to pipeline a unidirectional stack of `layers` layers over (1: none),
+    from each layer's launch `plan` (ops.rnn_plan: one block per SM):
+    - launches of all layers within half the SMs: up to PIPELINE_MAX_CHUNKS windows;
+    - within all the SMs, on clusters of at most 8 blocks: up to PIPELINE_FULL_CHUNKS. Measured
+      (LSTM 256 x 2, lengths 50-500, TF32; BENCHMARKS.md, twenty-first session): 8 samples (2 x 64
+      SMs) 1.31x faster than layer by layer with 4 windows, 1.14x with 8; 16 samples 1.08x with 4,
+      0.97x with 8. Clusters of 16 pack into the GPCs only when nothing else holds their SMs: with
+      them the windows' GEMMs kept the layers from running at once (32 samples, 0.80-0.83x);
+    - otherwise none, and never for the grid layout, whose cooperative launch needs its whole grid
+      resident."""
     blocks = _blocks(plan)
-    if layers < 2 or not blocks or blocks * layers > sm_count // 2:
+    if layers < 2 or not blocks:
         return 1
-    return max(1, min(PIPELINE_MAX_CHUNKS, steps // PIPELINE_MIN_STEPS))
+    if blocks * layers <= sm_count // 2:
+        most = PIPELINE_MAX_CHUNKS
+    elif blocks * layers <= sm_count and _cluster_size(plan) <= 8:
+        most = PIPELINE_FULL_CHUNKS
+    else:
+        return 1
+    return max(1, min(most, steps // PIPELINE_MIN_STEPS))
 
 
 def side_by_side(plan: str, sm_count: int) -> bool:
@@ -86,10 +99,19 @@ def budget() -> Optional[int]:
     return getattr(_budget, "blocks", None)
 
 
+_LAYOUT = re.compile(r"(local|cluster) (\d+) blocks x (\d+) groups")
+
+
 def _blocks(plan: str) -> int:
     """The blocks (one per SM) of a local or cluster plan; 0 for a grid plan or none."""
-    m = re.match(r"(local|cluster) (\d+) blocks x (\d+) groups", plan)
+    m = _LAYOUT.match(plan)
     return int(m.group(2)) * int(m.group(3)) if m else 0
+
+
+def _cluster_size(plan: str) -> int:
+    """The blocks of each group (a cluster, or 1) of a local or cluster plan; 0 for a grid plan or none."""
+    m = _LAYOUT.match(plan)
+    return int(m.group(2)) if m else 0
 
 
 class _Streams:
