@@ -27,7 +27,7 @@
 //             needs no second pass; a send costs about a clock whatever its width, hence the float4).
 // A single block of one or two samples (fused_few_workers) runs on its first 4 warps with 8 chunks per
 // lane and row, and its backward gives each ks lanes two units (FusedThread, U = 2); the other warps
-// leave after the set-up. A wide cluster block (kWide, tiles of 1-2 samples) also holds 8 chunks per
+// leave after the set-up. A wide cluster block (kWide, tiles of 1, 2 or 4 samples) also holds 8 chunks per
 // lane and row, so that a layer fits in half the blocks (LSTM 256: 8, 32 units a block).
 //
 // Why no barrier per step is needed (cluster; a single block has one barrier per step, named barrier 1

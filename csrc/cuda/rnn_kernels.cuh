@@ -187,8 +187,9 @@ __host__ __device__ constexpr int fused_workers(bool local, int bt) {
 __host__ __device__ constexpr int fused_chunks(bool local, int bt, bool wide = false) {
   return fused_few_workers(local, bt) || wide ? 2 * kFusedChunks : kFusedChunks;
 }
-// The wide cluster kernels are built for batch tiles of 1 and 2 only (each lane's registers hold twice
-// the weights; wider tiles would add their sums to that).
+// The wide cluster kernels are built for batch tiles of 1, 2 and 4 (each lane's registers hold twice the
+// weights: the LSTM's tile of 4 takes 231 / 254 registers forward / backward, no spills; a tile of 8 would
+// add 16 more sums a lane).
 constexpr int kWideMaxTile = 4;
 // The backward's units per lane group (FusedThread): with few workers each lane multiplies two units'
 // columns, so that each chunk of gate gradients it reads from shared memory serves both (the products
