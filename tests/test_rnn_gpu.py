@@ -143,16 +143,16 @@ def test_several_samples_per_block_run_fused(rand, cls):
         compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
 
 
-@pytest.mark.parametrize("cls,kernels", [(nn.LSTM, "8 chunks a lane"), (nn.GRU, "the backward by reduce-scatter")])
-def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls, kernels):
-    """13 samples on the fused kernels with several per block (the LSTM on the wide 8-block clusters,
-    tiles of 4; the GRU on 16 blocks, the backward by reduce-scatter): the kernels deal them out
-    longest first (a last round that reaches only some groups) and multiply and send only the samples
-    still running, so the lengths tie, end at 1, and differ within every group. Within 32 SMs
-    (concurrency.sm_budget): on the whole GPU the planner takes one sample a block for them."""
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
+    """13 samples on the fused kernels with several per block, the backward by reduce-scatter: the
+    kernels deal them out longest first (a last round that reaches only some groups) and multiply and
+    send only the samples still running, so the lengths tie, end at 1, and differ within every group.
+    Within 32 SMs (concurrency.sm_budget): on the whole GPU the planner takes one sample a block on wide
+    8-block clusters for them."""
     from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV, max_blocks=32)
-    assert "fused cell and W_hh in registers (forward and backward)" in plan and kernels in plan \
+    assert "fused cell and W_hh in registers (forward and backward), the backward by reduce-scatter" in plan \
         and " 1 samples per block" not in plan, plan
     with concurrency.sm_budget(32):
         compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
@@ -335,6 +335,20 @@ def test_pipelined_stack_against_float64_and_in_a_graph(rand, cls):
     for a, b in zip(piped[0] + piped[1], sum(run_and_grads(single, x, lens, hx, up), [])):
         assert ((a - b).norm() / b.norm()).item() <= 1e-6
     replay_equals(mod, x, lens, hx, up, piped)
+
+
+def test_pipelined_stack_on_most_of_the_gpu(rand):
+    """8 samples of LSTM 256 x 2: each layer on 8 wide 8-block clusters (64 SMs), both at once on up to
+    all the SMs, so the stack runs pipelined over 4 windows (concurrency.pipeline_chunks): against
+    float64, with lengths that end inside windows and at 1."""
+    from vlseq_ext.nn import concurrency
+    lengths = (300, 1, 97, 144, 288, 48, 200, 13)
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 256, layers=2, lengths=lengths)
+    plan = ops.rnn_plan("lstm", 256, len(lengths), "fp32", DEV)
+    want = concurrency.pipeline_chunks(plan, 2, 300, concurrency.sm_count(torch.device(DEV)))
+    assert mod._layout(x.to(DEV), len(lengths), 300)["chunks"] == want, plan
+    if concurrency.sm_count(torch.device(DEV)) >= 128:  # an H100 / H200: 2 x 64 SMs fit
+        assert plan.startswith("cluster 8 blocks x 8 groups") and want == 4, plan
 
 
 def replay_equals(mod, x, lens, hx, up, eager):

@@ -77,9 +77,13 @@ enum class Kernel { kGeneric, kFused, kScatter };
 
 // Clocks of one step in one direction of a cluster or single-block layout, fitted to the step
 // timings of benchmarks/probe/step_timing.cu on an H200 (hidden 64-256, LSTM and GRU, 1-16 blocks,
-// 1-8 samples per block): the generic kernels and the single block's fused forward to the seventh
-// session's run 2, its fused backward and the reduce-scatter to the eighth session's run 3, within about
-// 12%; the fused kernels in clusters (the wide ones included) to the twenty-first session's run 1.
+// 1-8 samples per block): the generic kernels and the fused forward to the seventh session's run 2, the
+// fused backwards to the eighth session's run 3, within about 12%. The fused forward measures 5-35%
+// below it since. A refit of the fused kernels in clusters to the twenty-first session's step timings
+// (LSTM and GRU 256 on 8 wide and 16 plain blocks) was tried and reverted: it sent fp32 LSTM 256 at 32
+// samples to 3 a block on 8 wide blocks (a faster forward, a slower all-gather backward), whose forward
+// + backward measured 1-3% slower than 5 a block on 16 (the reduce-scatter backward) and its training
+// step 4.5% slower; and hidden 64 from a single block to clusters (BENCHMARKS.md, twenty-first session).
 //   generic   products from shared memory: ~850 + 0.58 per 128 B of W read per batch tile + 3.2 per
 //             FMA-clock (the block's FMAs over 128 lanes, samples padded to the tile, counted as an
 //             LSTM's: the GRU's three gates take as long as four); the cell, output stores and next
@@ -90,14 +94,7 @@ enum class Kernel { kGeneric, kFused, kScatter };
 //             block's single-float sends (~1 clock each) and ~150 of cell; backward (all-gather)
 //             ~720 plus, per sample, twice its FMA-clocks, each warp's reads of the 4 * H gate
 //             gradients and the block's float4 sends (single blocks: another ~500); a cluster's wait
-//             for its peers, ~300 more per step than a single block's __syncthreads. Clusters of
-//             hidden 200 and more, refitted (twenty-first session, run 1: LSTM and GRU 256 on 8 wide
-//             and 16 plain blocks, 2-8 samples a block, within ~8%): forward ~1,050 plus, per sample,
-//             the sends, ~60 per gate and a quarter of its FMA-clocks (the products issue under the
-//             sends and reads: the wide blocks' twice the FMAs cost no more per sample); backward ~800
-//             plus, per sample, 1.7 times its FMA-clocks, reads and sends. The smaller sizes keep the
-//             first fit, which put them on single blocks as measured (hidden 64 at parity with cuDNN);
-//             the refit there would move them to clusters, unmeasured;
+//             for its peers, ~300 more per step than a single block's __syncthreads;
 //   scatter   backward (reduce-scatter) ~1,900 plus, per sample, twice its FMA-clocks, a float4
 //             send per 4 units and ~80: slower than the all-gather at one sample (its two
 //             __syncthreads and the sums of the partials are on every step's path), up to 45%
@@ -108,15 +105,10 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
   const double R = G * hs, K = round_up(H, 4), fma = 4.0 * hs * K / 128.0;
   if (kernel == Kernel::kScatter) return 1900.0 + bs * (2.0 * fma + K / 4.0 + 80.0);
   if (kernel == Kernel::kFused) {
-    const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0;  // the backward's
-    if (cluster && H >= 200) {  // the range measured (hidden 256 on 8 and 16 blocks); smaller ones as fitted before
-      const double sends = hs * nc;
-      if (!backward) return 1050.0 + bs * (sends + 60.0 * G + 0.25 * R * K / 128.0);
-      return 800.0 + bs * 1.7 * (per_sample + sends);
-    }
     const double sends = cluster ? hs * nc : 0.0, wait = cluster ? 300.0 : 0.0;
     if (!backward) return 1300.0 + wait + bs * (R * K / 128.0 + kWarps * K * 4.0 / 128.0 + sends + 150.0);
-    return 720.0 + wait + bs * (2.0 * (per_sample + sends) + (cluster ? 0.0 : 500.0));
+    const double per_sample = 4.0 * hs * H / 128.0 + kWarps * 4.0 * H * 4.0 / 128.0 + sends;
+    return 720.0 + wait + bs * (2.0 * per_sample + (cluster ? 0.0 : 500.0));
   }
   const double fmas = fma * round_up(bs, bt), wread = R * K * wbytes / 128.0 * ceil_div(bs, bt);
   const double products = 850.0 + 0.58 * wread + 3.16 * fmas, cell = 1100.0 + 50.0 * ceil_div(bs * hs, kThreads);
