@@ -211,7 +211,8 @@ def test_plans_within_a_block_budget(B):
 
 @pytest.mark.parametrize("cell,H,lens,reverse", [("lstm", 256, (300,), False), ("gru", 256, (300,), True),
                                                   ("lstm", 200, (37, 120), True), ("gru", 256, (1, 90), False),
-                                                  ("lstm", 256, (120, 300, 1), True), ("gru", 200, (90, 5, 300, 37), False),
+                                                  ("lstm", 256, (120, 300, 1), True),
+                                                  ("gru", 200, (90, 5, 300, 37), False),
                                                   ("lstm", 256, (64, 64, 64, 64), False)])
 def test_op_wide_cluster_against_the_cpu_op(rand, cell, H, lens, reverse):
     """Within 8 SMs a layer of hidden 200-256 runs on the wide fused kernels (8 blocks, 8 chunks a lane;

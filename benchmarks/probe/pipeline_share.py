@@ -51,10 +51,12 @@ def main() -> None:
     x, lens = x.to(dev), lens.to(dev)
     params = list(module.parameters())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}; LSTM {args.hidden} x {args.layers}, "
-          f"batch {args.batch}, {args.steps} steps, lengths {args.lengths}, {args.precision}")
+    print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}; "
+          f"LSTM {args.hidden} x {args.layers}, batch {args.batch}, {args.steps} steps, lengths {args.lengths}, "
+          f"{args.precision}")
     for b in [0, 48, 56, 60, 64, 66, 72, 88]:
-        print(f"  plan within {b or 'all'} SMs: {ops.rnn_plan('lstm', args.hidden, args.batch, args.precision, dev, b)}")
+        plan = ops.rnn_plan("lstm", args.hidden, args.batch, args.precision, dev, b)
+        print(f"  plan within {b or 'all'} SMs: {plan}")
 
     def run(chunks: int, blocks: int):
         def fwd_bwd():

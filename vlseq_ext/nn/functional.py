@@ -168,8 +168,8 @@ class _Pipelined(torch.autograd.Function):
     most max_blocks SMs (0: the whole GPU)."""
 
     @staticmethod
-    def forward(ctx, cell: str, precision: str, chunks: int, max_blocks: int, dropout: float, x: Tensor, lengths: Tensor,
-                h0: Tensor, c0: Optional[Tensor], *weights: Optional[Tensor]):
+    def forward(ctx, cell: str, precision: str, chunks: int, max_blocks: int, dropout: float, x: Tensor,
+                lengths: Tensor, h0: Tensor, c0: Optional[Tensor], *weights: Optional[Tensor]):
         L = len(weights) // 4
         B, T, _ = x.shape
         lstm = cell == "lstm"
@@ -299,8 +299,8 @@ def rnn(module: nn.RNNBase, x: Tensor, lengths: Tensor, hx=None, chunks: int = 1
     unidirectional stack over that many time windows (see _Pipelined; concurrency.pipeline_chunks chooses it);
     side_by_side_blocks > 0 runs a bidirectional layer's two directions at once on two streams, each
     launch planned for at most that many SMs (the modules give half the GPU when
-    concurrency.side_by_side allows it); otherwise, with chunks 1, every launch is planned for at most
-    max_blocks SMs (0: the whole GPU; the modules' concurrency.sm_budget)."""
+    concurrency.side_by_side allows it); otherwise every launch, a pipelined stack's windows included, is
+    planned for at most max_blocks SMs (0: the whole GPU; the modules' concurrency.sm_budget)."""
     if max_blocks and side_by_side_blocks:
         raise ValueError("max_blocks and side_by_side_blocks both set the SMs a launch may take: give one")
     lstm = isinstance(module, nn.LSTM)
