@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,12 +35,13 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
       them the windows' GEMMs kept the layers from running at once (32 samples, 0.80-0.83x);
     - otherwise none, and never for the grid layout, whose cooperative launch needs its whole grid
       resident."""
-    blocks = _blocks(plan)
+    cluster, groups = _shape(plan)
+    blocks = cluster * groups
     if layers < 2 or not blocks:
         return 1
     if blocks * layers <= sm_count // 2:
         most = PIPELINE_MAX_CHUNKS
-    elif blocks * layers <= sm_count and _cluster_size(plan) <= 8:
+    elif blocks * layers <= sm_count and cluster <= 8:
         most = PIPELINE_FULL_CHUNKS
     else:
         return 1
@@ -102,16 +103,16 @@ def budget() -> Optional[int]:
 _LAYOUT = re.compile(r"(local|cluster) (\d+) blocks x (\d+) groups")
 
 
+def _shape(plan: str) -> Tuple[int, int]:
+    """(blocks of each group, groups) of a local or cluster plan; (0, 0) for a grid plan or none."""
+    m = _LAYOUT.match(plan)
+    return (int(m.group(2)), int(m.group(3))) if m else (0, 0)
+
+
 def _blocks(plan: str) -> int:
     """The blocks (one per SM) of a local or cluster plan; 0 for a grid plan or none."""
-    m = _LAYOUT.match(plan)
-    return int(m.group(2)) * int(m.group(3)) if m else 0
-
-
-def _cluster_size(plan: str) -> int:
-    """The blocks of each group (a cluster, or 1) of a local or cluster plan; 0 for a grid plan or none."""
-    m = _LAYOUT.match(plan)
-    return int(m.group(2)) if m else 0
+    cluster, groups = _shape(plan)
+    return cluster * groups
 
 
 class _Streams:
