@@ -543,6 +543,20 @@ def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_bl
         assert err <= tol, f"output {i}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("cell,max_blocks", [("lstm", 0), ("gru", 66)])
+def test_op_forward_and_backward_on_their_own_layouts(rand, cell, max_blocks):
+    """32 samples of hidden 256 (on the whole GPU; the GRU within half of it, as a bidirectional layer
+    runs): the forward on wide 8-block clusters, the backward by reduce-scatter on 16-block ones, each
+    dealing the samples to its own groups; lengths that tie, end at 1 and at 0. Every output of both ops
+    against the CPU kernels."""
+    lens = [90, 1, 17, 17, 0, 90, 3, 65, 1, 9, 33, 17, 2, 88, 12, 6] * 2
+    plan = ops.rnn_plan(cell, 256, len(lens), "fp32", DEV, max_blocks=max_blocks)
+    m = re.match(r"cluster 8 blocks x \d+ groups.*8 chunks a lane.*; backward: cluster 16 blocks x \d+ groups.*"
+                 r"by reduce-scatter", plan)
+    assert m, plan
+    compare_ops_with_cpu(rand, cell, lens, 90, 256, reverse=cell == "gru", max_blocks=max_blocks)
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_op_single_block_reduce_scatter_against_the_cpu_op(rand, cell):
     """Four samples per block on one block per group (hidden 64, 16 samples on 4 SMs): the

@@ -93,6 +93,14 @@ def test_pipeline_rule():
     assert concurrency.pipeline_chunks(single, 2, 480, 132) == 4
     grid = "grid 22 blocks x 6 groups, 24 units and 6 samples per block, h staged 512 columns at a time"
     assert concurrency.pipeline_chunks(grid, 2, 480, 1000) == 1
+    # A forward and a backward on layouts of their own: the largest cluster and the most blocks of the two.
+    split = ("cluster 8 blocks x 8 groups, 32 units and 1 samples per block, fused cell and W_hh in registers, "
+             "shared memory 2 KiB; backward: cluster 16 blocks x 4 groups, 16 units and 2 samples per block, fused "
+             "cell and W_hh in registers, by reduce-scatter, shared memory 12 KiB")
+    assert concurrency.pipeline_chunks(split, 2, 480, 132) == 1  # the backward's clusters of 16
+    assert concurrency.pipeline_chunks(split, 2, 480, 256) == 8
+    assert concurrency.pipeline_chunks(split.replace("x 4 groups", "x 5 groups"), 2, 480, 256) == 1  # 80 > 64
+    assert concurrency.pipeline_chunks(split.replace("16 blocks x 4", "8 blocks x 4"), 2, 480, 132) == 4
 
 
 def test_side_by_side_rule():
@@ -100,6 +108,10 @@ def test_side_by_side_rule():
     assert concurrency.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
     assert not concurrency.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
     assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)
+    wide_forward = "cluster 8 blocks x 4 groups, 32 units and 8 samples per block, shared memory 152 KiB; backward: "
+    assert concurrency.side_by_side(wide_forward + "cluster 16 blocks x 4 groups, 16 units and 8 samples per block", 132)
+    assert not concurrency.side_by_side(wide_forward + "cluster 16 blocks x 5 groups, 16 units and 7 samples per block",
+                                        132)  # the backward's 80 blocks
 
 
 def test_each_direction_gets_half_the_gpu_when_a_plan_fits_there():

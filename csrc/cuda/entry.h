@@ -30,22 +30,31 @@ std::string p2p_status_run(at::TensorList buffers);
 namespace rnn {
 
 // How one recurrent layer runs on a GPU (rnn.cu chooses it; rnn_kernels.cuh explains the terms).
+// The forward and the backward launch share only global tensors (the outputs, the saved fields, the
+// gate gradients, all indexed by sample, step and unit), so each has its own layout.
+struct LaunchPlan {
+  int sync = 0;  // Sync: 0 local, 1 cluster, 2 grid
+  int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
+  // The kernel: fused (rnn_fused_kernels.cuh: W_hh in registers, the cell in the product lanes) or
+  // generic; a backward may instead be the fused one with a reduce-scatter (rnn_scatter_kernel.cuh).
+  // On the grid layout, fused: W_hh in registers (rnn_forward_grid_regs_kernel,
+  // rnn_backward_grid_regs_kernel).
+  bool fused = false, scatter = false;
+  bool wide = false;  // cluster, fused: the kernels with twice the chunks per lane (fused_chunks)
+  int64_t smem = 0;
+  int regs_rows = 0, regs_chunks = 0;  // grid forward, fused: rows and float4 chunks of W_hh per thread
+  // Grid, weights tf32: the products on the tensor cores (rnn_grid_tf32_kernels.cuh; then fused is set
+  // too: W_hh is in registers).
+  bool tf32 = false;
+  bool same_layout(const LaunchPlan& o) const {
+    return sync == o.sync && nc == o.nc && hs == o.hs && bs == o.bs && groups == o.groups;
+  }
+};
+
 struct LayerPlan {
   bool ok = false;
   std::string why_not;  // when !ok: why the kernels cannot hold this layer
-  int sync = 0;         // Sync: 0 local, 1 cluster, 2 grid
-  int nc = 0, hs = 0, bs = 0, chunk = 0, groups = 0, bt = 0;
-  // Each direction's kernel: fused (rnn_fused_kernels.cuh: W_hh in registers, the cell in the product
-  // lanes) or generic; the backward may instead be the fused one with a reduce-scatter
-  // (rnn_scatter_kernel.cuh). On the grid layout, fused_forward / fused_backward: W_hh in registers
-  // (rnn_forward_grid_regs_kernel, rnn_backward_grid_regs_kernel).
-  bool fused_forward = false, fused_backward = false, scatter_backward = false;
-  bool wide = false;  // cluster, fused: the kernels with twice the chunks per lane (fused_chunks)
-  int64_t smem_forward = 0, smem_backward = 0;
-  int regs_rows = 0, regs_chunks = 0;  // grid, fused_forward: rows and float4 chunks of W_hh per thread
-  // Grid, weights tf32: the direction's products on the tensor cores (rnn_grid_tf32_kernels.cuh; then
-  // fused_* is set too: W_hh is in registers).
-  bool tf32_forward = false, tf32_backward = false;
+  LaunchPlan forward, backward;
   std::string describe() const;
 };
 

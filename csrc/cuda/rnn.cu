@@ -12,7 +12,9 @@
 // launched cooperatively; rnn_grid_kernels.cuh; with weights "tf32" their products run on the tensor
 // cores where a kernel has the shape, rnn_grid_tf32_kernels.cuh). The choice minimises a cost model of
 // one step (products, cell, exchange and barrier, in clocks) times the number of waves of groups that
-// do not fit on the GPU at once; BENCHMARKS.md has what it picks and what that measures.
+// do not fit on the GPU at once, for the forward and the backward launch each (in clusters they may
+// take different layouts; the grid layout is one for both); BENCHMARKS.md has what it picks and what
+// that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -155,18 +157,25 @@ double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int
 
 struct Cost {
   double clocks = 0;
-  LayerPlan plan;
+  LaunchPlan launch;
+  bool ok = false;
+  void offer(double c, const LaunchPlan& l) {
+    if (!ok || c < clocks) clocks = c, launch = l, ok = true;
+  }
 };
 
-// The plan for nc blocks per group (cluster or local) with the fewest estimated clocks, if any.
-bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
-                  Cost& best) {
+// The launches for nc blocks per group (cluster or local) with the fewest estimated clocks, the forward
+// and the backward each on its own: they share only global tensors, so at LSTM 256 and 32 samples the
+// forward takes 3 samples a block on 8 wide blocks and the backward 5 a block on 16 (the reduce-scatter,
+// which the wide blocks do not have).
+void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
+                  Cost& best_fwd, Cost& best_bwd) {
   const Weights w = stored_weights(precision);  // no tensor-core kernels here: tf32 runs as fp32
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
   const int hs = ceil_div(H, nc);
-  if (ceil_div(H, hs) != nc) return false;  // a block would hold no unit
+  if (ceil_div(H, hs) != nc) return;  // a block would hold no unit
   const Sync sync = nc == 1 ? Sync::kLocal : Sync::kCluster;
-  bool found = false;
+  const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   // Every group count, each with its fewest samples per group (bs rising: the first bs of a count).
   int last_groups = 0;
   for (int bs = 1; bs <= B; ++bs) {
@@ -176,9 +185,6 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
     if (bs * hs > kThreads * kMaxItems) break;  // the cell phase holds at most kMaxItems pairs per thread
     const int bt = batch_tile(bs);
     const Geometry g{B, 1, H, nc, hs, bs, bs, sync, 0};
-    const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-    // Each direction on the fused kernel where it fits, or the generic one (they share only global
-    // tensors): the pair with the fewest clocks.
     const bool local = sync == Sync::kLocal;
     // The wide kernels where only they hold the block's units (the plain ones need fewer registers).
     const bool wide = w == Weights::kFP32 && !fits_fused(G, H, hs, bs, bt, local) &&
@@ -186,49 +192,46 @@ bool cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
     const bool can_fuse = w == Weights::kFP32 && (wide || fits_fused(G, H, hs, bs, bt, local));
     const bool can_scatter = w == Weights::kFP32 && fits_scatter(H, hs, bs, bt);
     const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
-    if (!can_fuse && !can_scatter && std::max(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
-    // The forward generic or fused; the backward generic, fused (all-gather) or reduce-scatter.
-    for (int pair = 0; pair < 6; ++pair) {
-      const bool ff = pair & 1, fb = pair / 2 == 1, sb = pair / 2 == 2;
-      if ((ff || fb) && !can_fuse) continue;
-      if (sb && !can_scatter) continue;
-      const int64_t fwd = ff ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd;
-      const int64_t bwd = sb ? ScatterSmem(g, bt).total : fb ? FusedSmem(g, 4 * H, bt).total : generic_bwd;
-      if (std::max(fwd, bwd) > optin) continue;
-      const void* fk = forward_kernel(cell, w, bt, ff, local, wide);
-      const void* bk = sb ? backward_scatter_kernel(cell, bt) : backward_kernel(cell, w, bt, fb, local, wide);
-      prepare(fk, device, p.sharedMemPerBlockOptin);
-      prepare(bk, device, p.sharedMemPerBlockOptin);
-      const int resident = std::min({resident_groups(fk, sync, nc, fwd, p), resident_groups(bk, sync, nc, bwd, p),
-                                     sms / nc});
+    if (!can_fuse && !can_scatter && std::min(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
+    // The forward generic or fused (k 0, 1); the backward generic, fused (all-gather) or reduce-scatter
+    // (k 2, 3, 4).
+    for (int k = 0; k < 5; ++k) {
+      const bool backward = k >= 2, fused = k == 1 || k == 3, scatter = k == 4;
+      if (fused && !can_fuse) continue;
+      if (scatter && !can_scatter) continue;
+      const int64_t smem = !backward ? (fused ? FusedSmem(g, round_up(H, 4), bt).total : generic_fwd)
+                           : scatter ? ScatterSmem(g, bt).total
+                           : fused   ? FusedSmem(g, 4 * H, bt).total
+                                     : generic_bwd;
+      if (smem > optin) continue;
+      const void* kernel = !backward ? forward_kernel(cell, w, bt, fused, local, wide)
+                           : scatter ? backward_scatter_kernel(cell, bt)
+                                     : backward_kernel(cell, w, bt, fused, local, wide);
+      prepare(kernel, device, p.sharedMemPerBlockOptin);
+      const int resident = std::min(resident_groups(kernel, sync, nc, smem, p), sms / nc);
       // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
       const bool within = sms == p.multiProcessorCount || groups <= resident;
       if (resident <= 0 || !within) continue;
-      const Kernel fwd_kernel = ff ? Kernel::kFused : Kernel::kGeneric;
-      const Kernel bwd_kernel = sb ? Kernel::kScatter : fb ? Kernel::kFused : Kernel::kGeneric;
-      const double clocks =
-          ceil_div(groups, resident) * (direction_clocks(false, fwd_kernel, sync, G, hs, H, bs, bt, nc, wbytes) +
-                                        direction_clocks(true, bwd_kernel, sync, G, hs, H, bs, bt, nc, wbytes));
-      if (!best.plan.ok || clocks < best.clocks) {
-        best.clocks = clocks;
-        best.plan = LayerPlan{true, "", static_cast<int>(sync), nc, hs, bs, bs, groups, bt, ff, fb, sb, wide && (ff || fb),
-                              fwd, bwd};
-        found = true;
-      }
+      const Kernel kind = scatter ? Kernel::kScatter : fused ? Kernel::kFused : Kernel::kGeneric;
+      const double clocks = ceil_div(groups, resident) * direction_clocks(backward, kind, sync, G, hs, H, bs, bt, nc, wbytes);
+      LaunchPlan l;
+      l.sync = static_cast<int>(sync), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = bt;
+      l.fused = fused, l.scatter = scatter, l.wide = wide && fused, l.smem = smem;
+      (backward ? best_bwd : best_fwd).offer(clocks, l);
     }
   }
-  return found;
 }
 
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
-bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device, Cost& best) {
+bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device,
+               LayerPlan& best) {
   const Weights w = stored_weights(precision);
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
   const bool tf32 = precision == Weights::kTF32;
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-  bool found = false;
+  double best_clocks = 0;
   for (int hs = 4; hs < Kp; hs += 4) {
     const int units_nc = ceil_div(H, hs);
     if (units_nc > sms) continue;
@@ -279,43 +282,46 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       if (resident < groups) continue;
       const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
                                         ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
-      if (!best.plan.ok || clocks < best.clocks) {
-        best.clocks = clocks;
-        best.plan = LayerPlan{true, "",    static_cast<int>(Sync::kGrid), nc, hs, bs, g.chunk, groups, bt, fregs || ftf32,
-                              regs || btf32, false, false, fwd, bwd, fsh.nr, fsh.nm, ftf32, btf32};
-        found = true;
-      }
+      if (best.ok && clocks >= best_clocks) continue;
+      best_clocks = clocks;
+      LaunchPlan l;  // both directions: one layout, each its kernel
+      l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = g.chunk, l.groups = groups;
+      l.bt = bt;
+      best.ok = true, best.forward = best.backward = l;
+      best.forward.fused = fregs || ftf32, best.forward.tf32 = ftf32, best.forward.smem = fwd;
+      best.forward.regs_rows = fsh.nr, best.forward.regs_chunks = fsh.nm;
+      best.backward.fused = regs || btf32, best.backward.tf32 = btf32, best.backward.smem = bwd;
     }
   }
-  return found;
+  return best.ok;
 }
 
-Geometry geometry(const LayerPlan& plan, const Sizes& z, bool reverse) {
+Geometry geometry(const LaunchPlan& plan, const Sizes& z, bool reverse) {
   return Geometry{static_cast<int>(z.B), static_cast<int>(z.T), static_cast<int>(z.H), plan.nc, plan.hs, plan.bs,
                   plan.chunk, static_cast<Sync>(plan.sync), reverse ? 1 : 0};
 }
 
-GridRegsShape regs_shape(const LayerPlan& plan, const Sizes& z) {
+GridRegsShape regs_shape(const LaunchPlan& plan, const Sizes& z) {
   return GridRegsShape(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
 }
 // The TF32 kernels of the plan's shape (grid_plan chose them only where they exist).
-const void* tf32_forward_kernel(const LayerPlan& plan, const Sizes& z) {
+const void* tf32_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   const GridTf32FwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
   return grid_forward_tf32_kernel(z.cell, sh.mt, sh.ks);
 }
-GridTf32BwdShape tf32_backward_shape(const LayerPlan& plan, const Sizes& z) {
+GridTf32BwdShape tf32_backward_shape(const LaunchPlan& plan, const Sizes& z) {
   return GridTf32BwdShape(num_gates(z.cell), plan.hs, plan.nc, plan.bs);
 }
-const void* tf32_backward_kernel(const LayerPlan& plan, const Sizes& z) {
+const void* tf32_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
   return grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).ntw);
 }
 
 template <typename Args>
-void launch(const void* kernel, const Args& args, const LayerPlan& plan, int64_t smem, cudaStream_t stream) {
+void launch(const void* kernel, const Args& args, const LaunchPlan& plan, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.groups * plan.nc);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = plan.smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr = {};
   if (plan.sync == static_cast<int>(Sync::kCluster)) {
@@ -345,29 +351,46 @@ at::Tensor samples_by_length(const at::Tensor& lengths, bool fused) {
 
 }  // namespace
 
+namespace {
+std::string layout_text(const LaunchPlan& l) {
+  static const char* names[] = {"local", "cluster", "grid"};
+  return std::string(names[l.sync]) + " " + std::to_string(l.nc) + " blocks x " + std::to_string(l.groups) +
+         " groups, " + std::to_string(l.hs) + " units and " + std::to_string(l.bs) + " samples per block";
+}
+std::string kib(int64_t bytes) { return std::to_string(bytes / 1024); }
+}  // namespace
+
+// One layout: "<layout>, <kernels>, shared memory F/B KiB". Two (a cluster or local forward and backward
+// on different layouts): "<forward layout>, <its kernel>, shared memory F KiB; backward: <layout>, <its
+// kernel>, shared memory B KiB" (vlseq_ext.nn.concurrency reads the layouts).
 std::string LayerPlan::describe() const {
   if (!ok) return "";
-  static const char* names[] = {"local", "cluster", "grid"};
-  return std::string(names[sync]) + " " + std::to_string(nc) + " blocks x " + std::to_string(groups) +
-         " groups, " + std::to_string(hs) + " units and " + std::to_string(bs) + " samples per block" +
-         (sync == 2 && !fused_forward ? ", h staged " + std::to_string(chunk) + " columns at a time" : "") +
-         (sync == 2 && (fused_forward || fused_backward)
-              ? std::string(", W_hh in registers (") + (fused_forward ? "forward" : "") +
-                    (fused_forward && fused_backward ? " and " : "") + (fused_backward ? "backward" : "") + ")"
+  const LaunchPlan &f = forward, &b = backward;
+  if (!f.same_layout(b)) {
+    auto kernel = [](const LaunchPlan& l) {
+      return l.fused || l.scatter ? std::string(", fused cell and W_hh in registers") +
+                                        (l.scatter ? ", by reduce-scatter" : "") + (l.wide ? ", 8 chunks a lane" : "")
+                                  : std::string();
+    };
+    return layout_text(f) + kernel(f) + ", shared memory " + kib(f.smem) + " KiB; backward: " + layout_text(b) +
+           kernel(b) + ", shared memory " + kib(b.smem) + " KiB";
+  }
+  const bool grid = f.sync == static_cast<int>(Sync::kGrid);
+  return layout_text(f) + (grid && !f.fused ? ", h staged " + std::to_string(f.chunk) + " columns at a time" : "") +
+         (grid && (f.fused || b.fused)
+              ? std::string(", W_hh in registers (") + (f.fused ? "forward" : "") + (f.fused && b.fused ? " and " : "") +
+                    (b.fused ? "backward" : "") + ")"
               : "") +
-         (tf32_forward || tf32_backward
-              ? std::string(", TF32 products on the tensor cores (") + (tf32_forward ? "forward" : "") +
-                    (tf32_forward && tf32_backward ? " and " : "") + (tf32_backward ? "backward" : "") + ")"
+         (f.tf32 || b.tf32
+              ? std::string(", TF32 products on the tensor cores (") + (f.tf32 ? "forward" : "") +
+                    (f.tf32 && b.tf32 ? " and " : "") + (b.tf32 ? "backward" : "") + ")"
               : "") +
-         (sync != 2 && (fused_forward || fused_backward || scatter_backward)
-              ? std::string(", fused cell and W_hh in registers (") + (fused_forward ? "forward" : "") +
-                    (fused_forward && (fused_backward || scatter_backward) ? " and " : "") +
-                    (fused_backward || scatter_backward ? "backward" : "") + ")" +
-                    (scatter_backward ? ", the backward by reduce-scatter" : "") +
-                    (wide ? ", 8 chunks a lane" : "")
+         (!grid && (f.fused || b.fused || b.scatter)
+              ? std::string(", fused cell and W_hh in registers (") + (f.fused ? "forward" : "") +
+                    (f.fused && (b.fused || b.scatter) ? " and " : "") + (b.fused || b.scatter ? "backward" : "") + ")" +
+                    (b.scatter ? ", the backward by reduce-scatter" : "") + (f.wide || b.wide ? ", 8 chunks a lane" : "")
               : "") +
-         ", shared memory " +
-         std::to_string(smem_forward / 1024) + "/" + std::to_string(smem_backward / 1024) + " KiB";
+         ", shared memory " + kib(f.smem) + "/" + kib(b.smem) + " KiB";
 }
 
 LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device, int64_t max_blocks) {
@@ -398,10 +421,23 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     // The SMs the plan may use: blocks of every group at once (occupancy below is per SM).
     const int sms = max_blocks > 0 ? static_cast<int>(std::min<int64_t>(max_blocks, p.multiProcessorCount))
                                    : p.multiProcessorCount;
-    Cost best;
-    for (int nc : {1, 2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, best);
-    if (!best.plan.ok) grid_plan(cell, weights, H, B, sms, p, device, best);
-    plan = best.plan;
+    // A single block's forward and backward go together, and so do a cluster's: the cost model's
+    // single-block figures are older than their four-worker kernels (which measure 300-400 clocks a step
+    // below them at hidden 64), so a pair of one single-block launch and one cluster launch would rest on
+    // them.
+    Cost local[2], clusters[2];
+    cluster_plan(cell, weights, H, B, 1, sms, p, device, local[0], local[1]);
+    for (int nc : {2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, clusters[0], clusters[1]);
+    const bool has_local = local[0].ok && local[1].ok, has_clusters = clusters[0].ok && clusters[1].ok;
+    if (has_local || has_clusters) {
+      const Cost* pair = !has_clusters || (has_local && local[0].clocks + local[1].clocks <=
+                                                           clusters[0].clocks + clusters[1].clocks)
+                             ? local
+                             : clusters;
+      plan.ok = true, plan.forward = pair[0].launch, plan.backward = pair[1].launch;
+    } else {
+      grid_plan(cell, weights, H, B, sms, p, device, plan);
+    }
     if (!plan.ok) {
       const int64_t bytes = num_gates(cell) * hidden * hidden * (weights == Weights::kBF16 ? 2 : 4);
       plan.why_not = "W_hh (" + std::to_string(bytes >> 20) + " MiB) does not fit in the shared memory of " +
@@ -414,10 +450,11 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_run(
-    const LayerPlan& plan, const Sizes& z, const at::Tensor& xproj, const at::Tensor& w_hh,
+    const LayerPlan& layer, const Sizes& z, const at::Tensor& xproj, const at::Tensor& w_hh,
     const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
     const at::Tensor& lengths, bool reverse) {
   c10::cuda::CUDAGuard guard(xproj.device());
+  const LaunchPlan& plan = layer.forward;
   const bool lstm = z.cell == Cell::kLSTM;
   const auto opts = xproj.options();
   at::Tensor y = at::zeros({z.B, z.T, z.H}, opts);  // padded steps stay zero
@@ -432,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
     xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
-  const at::Tensor order = samples_by_length(lengths, !grid && plan.fused_forward);
+  const at::Tensor order = samples_by_length(lengths, !grid && plan.fused);
   ForwardArgs a{geometry(plan, z, reverse),
                 xproj.const_data_ptr<float>(),
                 w_hh.const_data_ptr<float>(),
@@ -449,21 +486,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32_forward ? tf32_forward_kernel(plan, z)
-         : grid && plan.fused_forward ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
+  launch(plan.tf32 ? tf32_forward_kernel(plan, z)
+         : grid && plan.fused ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
-                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused_forward, local, plan.wide),
-         a, plan, plan.smem_forward,
+                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
+         a, plan,
          c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
-    const LayerPlan& plan, const Sizes& z, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
+    const LayerPlan& layer, const Sizes& z, const at::Tensor& w_hh, const at::Tensor& y, const at::Tensor& saved,
     const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
     const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
     bool reverse) {
   c10::cuda::CUDAGuard guard(y.device());
+  const LaunchPlan& plan = layer.backward;
   const bool lstm = z.cell == Cell::kLSTM;
   const int64_t G = num_gates(z.cell);
   const auto opts = y.options();
@@ -477,18 +515,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
     // TF32: partials of P row groups and the row groups' gate gradients, zeroed, and a counter per row
     // group and column; the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
-    if (plan.tf32_backward) {
+    if (plan.tf32) {
       const GridTf32BwdShape sh = tf32_backward_shape(plan, z);
       xchg = at::zeros({grid_tf32_exchange(g, plan.groups, sh)}, opts);
       arrivals = at::zeros({grid_tf32_counters(plan.groups, sh)}, opts.dtype(at::kInt));
     } else {
-      xchg = at::empty({plan.fused_backward ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
+      xchg = at::empty({plan.fused ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
                                             : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
                        opts);
       arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
     }
   }
-  const at::Tensor order = samples_by_length(lengths, !grid && (plan.fused_backward || plan.scatter_backward));
+  const at::Tensor order = samples_by_length(lengths, !grid && (plan.fused || plan.scatter));
   BackwardArgs a{geometry(plan, z, reverse),
                  w_hh.const_data_ptr<float>(),
                  y.const_data_ptr<float>(),
@@ -508,12 +546,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32_backward ? tf32_backward_kernel(plan, z)
-         : grid && plan.fused_backward ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
+  launch(plan.tf32 ? tf32_backward_kernel(plan, z)
+         : grid && plan.fused ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
          : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
-         : plan.scatter_backward       ? backward_scatter_kernel(z.cell, plan.bt)
-                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused_backward, local, plan.wide),
-         a, plan, plan.smem_backward,
+         : plan.scatter       ? backward_scatter_kernel(z.cell, plan.bt)
+                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
+         a, plan,
          c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }

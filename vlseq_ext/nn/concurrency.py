@@ -35,8 +35,7 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
       them the windows' GEMMs kept the layers from running at once (32 samples, 0.80-0.83x);
     - otherwise none, and never for the grid layout, whose cooperative launch needs its whole grid
       resident."""
-    cluster, groups = _shape(plan)
-    blocks = cluster * groups
+    cluster, blocks = _shape(plan)
     if layers < 2 or not blocks:
         return 1
     if blocks * layers <= sm_count // 2:
@@ -100,19 +99,20 @@ def budget() -> Optional[int]:
     return getattr(_budget, "blocks", None)
 
 
-_LAYOUT = re.compile(r"(local|cluster) (\d+) blocks x (\d+) groups")
+# A launch's layout in ops.rnn_plan's text: the plan's start, and a backward on a layout of its own.
+_LAYOUT = re.compile(r"(?:^|; backward: )(local|cluster) (\d+) blocks x (\d+) groups")
 
 
 def _shape(plan: str) -> Tuple[int, int]:
-    """(blocks of each group, groups) of a local or cluster plan; (0, 0) for a grid plan or none."""
-    m = _LAYOUT.match(plan)
-    return (int(m.group(2)), int(m.group(3))) if m else (0, 0)
+    """(the largest group, the most blocks) of a local or cluster plan's launches (its forward and
+    backward may take different layouts); (0, 0) for a grid plan or none."""
+    launches = [(int(m.group(2)), int(m.group(2)) * int(m.group(3))) for m in _LAYOUT.finditer(plan)]
+    return (max(c for c, _ in launches), max(b for _, b in launches)) if launches else (0, 0)
 
 
 def _blocks(plan: str) -> int:
-    """The blocks (one per SM) of a local or cluster plan; 0 for a grid plan or none."""
-    cluster, groups = _shape(plan)
-    return cluster * groups
+    """The most blocks (one per SM) of a local or cluster plan's launches; 0 for a grid plan or none."""
+    return _shape(plan)[1]
 
 
 class _Streams:
