@@ -134,11 +134,13 @@ def test_one_sample_layers_run_fused(rand, cls, H, bidirectional):
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_several_samples_per_block_run_fused(rand, cls):
     """A bidirectional layer of 8 samples within 32 SMs (concurrency.sm_budget; its directions one
-    after the other): several fp32 samples per block on the fused kernels (on half the GPU the planner
-    takes one sample a block on wide 8-block clusters), lengths that end at different steps."""
+    after the other): several fp32 samples per block on the fused kernels (the forward on wide 8-block
+    clusters, the backward by reduce-scatter on 16-block ones; on half the GPU the planner takes one
+    sample a block on wide 8-block clusters), lengths that end at different steps."""
     from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 8, "fp32", DEV, max_blocks=32)
-    assert "fused cell and W_hh in registers (forward" in plan and " 1 samples per block" not in plan, plan
+    assert plan.startswith("cluster 8 blocks") and "fused cell and W_hh in registers, 8 chunks a lane" in plan \
+        and " 1 samples per block" not in plan, plan
     with concurrency.sm_budget(32):
         compare(rand, cls, 36, 256, bidirectional=True, lengths=random_lengths(rand, 8, 1, 300))
 
@@ -148,12 +150,12 @@ def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
     """13 samples on the fused kernels with several per block, the backward by reduce-scatter: the
     kernels deal them out longest first (a last round that reaches only some groups) and multiply and
     send only the samples still running, so the lengths tie, end at 1, and differ within every group.
-    Within 32 SMs (concurrency.sm_budget): on the whole GPU the planner takes one sample a block on wide
-    8-block clusters for them."""
+    Within 32 SMs (concurrency.sm_budget; the forward on wide 8-block clusters): on the whole GPU the
+    planner takes one sample a block on wide 8-block clusters for them."""
     from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV, max_blocks=32)
-    assert "fused cell and W_hh in registers (forward and backward), the backward by reduce-scatter" in plan \
-        and " 1 samples per block" not in plan, plan
+    assert re.search(r"; backward: cluster 16 blocks x \d+ groups, 16 units and \d+ samples per block, fused cell and "
+                     r"W_hh in registers, by reduce-scatter", plan) and " 1 samples per block" not in plan, plan
     with concurrency.sm_budget(32):
         compare(rand, cls, 36, 256, layers=2, lengths=(7, 30, 30, 1, 30, 12, 7, 1, 25, 30, 2, 19, 7))
 

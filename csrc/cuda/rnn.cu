@@ -164,12 +164,35 @@ struct Cost {
   }
 };
 
-// The launches for nc blocks per group (cluster or local) with the fewest estimated clocks, the forward
-// and the backward each on its own: they share only global tensors, so at LSTM 256 and 32 samples the
-// forward takes 3 samples a block on 8 wide blocks and the backward 5 a block on 16 (the reduce-scatter,
-// which the wide blocks do not have).
+struct Pair {
+  double clocks = 0;
+  LaunchPlan forward, backward;
+  bool ok = false;
+  void offer(double c, const LaunchPlan& f, const LaunchPlan& b) {
+    if (!ok || c < clocks) clocks = c, forward = f, backward = b, ok = true;
+  }
+};
+
+// What cluster_plan found over the block counts it was asked about: the best forward and backward on one
+// layout, and the best fused forward on wide blocks and reduce-scatter backward, each on its own layout.
+// Only that mixed pair is taken (where it is the cheapest): measured at 32 samples of hidden 256, the wide
+// blocks' forward costs 25-42% less a step than the 16-block one and they have no reduce-scatter backward,
+// which costs 20-27% less than their all-gather one (BENCHMARKS.md, twenty-first session). Other mixed
+// pairs the model ranked first measured slower (GRU 128 at 32 samples, twenty-second session).
+struct Choices {
+  Pair joint;
+  Cost wide_forward, scatter_backward;
+  const Pair* best(Pair& mixed) const {
+    if (wide_forward.ok && scatter_backward.ok)
+      mixed.offer(wide_forward.clocks + scatter_backward.clocks, wide_forward.launch, scatter_backward.launch);
+    if (!joint.ok) return mixed.ok ? &mixed : nullptr;
+    return mixed.ok && mixed.clocks < joint.clocks ? &mixed : &joint;
+  }
+};
+
+// The launches for nc blocks per group (cluster or local) with the fewest estimated clocks (Choices).
 void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, const cudaDeviceProp& p, int device,
-                  Cost& best_fwd, Cost& best_bwd) {
+                  Choices& choices) {
   const Weights w = stored_weights(precision);  // no tensor-core kernels here: tf32 runs as fp32
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, F = backward_fields(cell);
   const int hs = ceil_div(H, nc);
@@ -192,9 +215,15 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
     const bool can_fuse = w == Weights::kFP32 && (wide || fits_fused(G, H, hs, bs, bt, local));
     const bool can_scatter = w == Weights::kFP32 && fits_scatter(H, hs, bs, bt);
     const int64_t generic_fwd = ForwardSmem(g, G, wbytes, bt).total, generic_bwd = BackwardSmem(g, G, wbytes, bt, F).total;
-    if (!can_fuse && !can_scatter && std::min(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
-    // The forward generic or fused (k 0, 1); the backward generic, fused (all-gather) or reduce-scatter
-    // (k 2, 3, 4).
+    if (!can_fuse && !can_scatter && std::max(generic_fwd, generic_bwd) > optin) break;  // only grows with bs
+    // Each kernel that fits: the forward generic or fused (k 0, 1); the backward generic, fused
+    // (all-gather) or reduce-scatter (k 2, 3, 4). Its clocks of a step, and its resident groups.
+    struct Option {
+      LaunchPlan launch;
+      double step = 0;
+      int resident = 0;
+    };
+    Option options[5];
     for (int k = 0; k < 5; ++k) {
       const bool backward = k >= 2, fused = k == 1 || k == 3, scatter = k == 4;
       if (fused && !can_fuse) continue;
@@ -208,17 +237,29 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
                            : scatter ? backward_scatter_kernel(cell, bt)
                                      : backward_kernel(cell, w, bt, fused, local, wide);
       prepare(kernel, device, p.sharedMemPerBlockOptin);
-      const int resident = std::min(resident_groups(kernel, sync, nc, smem, p), sms / nc);
-      // Within a budget of SMs, no waves: the groups past it would take SMs beyond it.
-      const bool within = sms == p.multiProcessorCount || groups <= resident;
-      if (resident <= 0 || !within) continue;
+      Option& o = options[k];
+      o.resident = std::min(resident_groups(kernel, sync, nc, smem, p), sms / nc);
       const Kernel kind = scatter ? Kernel::kScatter : fused ? Kernel::kFused : Kernel::kGeneric;
-      const double clocks = ceil_div(groups, resident) * direction_clocks(backward, kind, sync, G, hs, H, bs, bt, nc, wbytes);
-      LaunchPlan l;
+      o.step = direction_clocks(backward, kind, sync, G, hs, H, bs, bt, nc, wbytes);
+      LaunchPlan& l = o.launch;
       l.sync = static_cast<int>(sync), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = bt;
       l.fused = fused, l.scatter = scatter, l.wide = wide && fused, l.smem = smem;
-      (backward ? best_bwd : best_fwd).offer(clocks, l);
     }
+    // The waves of `resident` groups; none within a budget of SMs (the groups past it would take SMs
+    // beyond it).
+    auto waves = [&](int resident) {
+      return resident <= 0 || (sms < p.multiProcessorCount && groups > resident) ? 0 : ceil_div(groups, resident);
+    };
+    for (int f = 0; f < 2; ++f) {
+      for (int b = 2; b < 5; ++b) {
+        const int n = waves(std::min(options[f].resident, options[b].resident));
+        if (n) choices.joint.offer(n * (options[f].step + options[b].step), options[f].launch, options[b].launch);
+      }
+    }
+    if (wide && waves(options[1].resident))
+      choices.wide_forward.offer(waves(options[1].resident) * options[1].step, options[1].launch);
+    if (waves(options[4].resident))
+      choices.scatter_backward.offer(waves(options[4].resident) * options[4].step, options[4].launch);
   }
 }
 
@@ -421,20 +462,15 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     // The SMs the plan may use: blocks of every group at once (occupancy below is per SM).
     const int sms = max_blocks > 0 ? static_cast<int>(std::min<int64_t>(max_blocks, p.multiProcessorCount))
                                    : p.multiProcessorCount;
-    // A single block's forward and backward go together, and so do a cluster's: the cost model's
-    // single-block figures are older than their four-worker kernels (which measure 300-400 clocks a step
-    // below them at hidden 64), so a pair of one single-block launch and one cluster launch would rest on
-    // them.
-    Cost local[2], clusters[2];
-    cluster_plan(cell, weights, H, B, 1, sms, p, device, local[0], local[1]);
-    for (int nc : {2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, clusters[0], clusters[1]);
-    const bool has_local = local[0].ok && local[1].ok, has_clusters = clusters[0].ok && clusters[1].ok;
-    if (has_local || has_clusters) {
-      const Cost* pair = !has_clusters || (has_local && local[0].clocks + local[1].clocks <=
-                                                           clusters[0].clocks + clusters[1].clocks)
-                             ? local
-                             : clusters;
-      plan.ok = true, plan.forward = pair[0].launch, plan.backward = pair[1].launch;
+    // A local and a cluster launch are never mixed (Choices: only the measured mixed pair).
+    Choices local, clusters;
+    cluster_plan(cell, weights, H, B, 1, sms, p, device, local);
+    for (int nc : {2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, clusters);
+    Pair mixed;
+    const Pair *a = local.joint.ok ? &local.joint : nullptr, *c = clusters.best(mixed);
+    if (a || c) {
+      const Pair* pair = a && (!c || a->clocks <= c->clocks) ? a : c;
+      plan.ok = true, plan.forward = pair->forward, plan.backward = pair->backward;
     } else {
       grid_plan(cell, weights, H, B, sms, p, device, plan);
     }
