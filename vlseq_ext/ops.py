@@ -324,8 +324,9 @@ def rnn_backward(cell: str, w_hh: Tensor, y: Tensor, saved: Tensor, cs: Tensor, 
 
 def rnn_plan(cell: str, hidden_size: int, batch: int, weights: str, device, max_blocks: int = 0) -> str:
     """How the kernels would run a layer of this size on `device` within `max_blocks` SMs (0: all):
-    on CUDA the layout ("cluster 16 blocks x 2 groups, ..."), or "" when W_hh does not fit on chip
-    (or the GPU has no thread-block clusters); "cpu" for the CPU; "" without the compiled kernels."""
+    on CUDA the layout ("cluster 16 blocks x 2 groups, ..."; "<forward's>; backward: <its own>" where
+    the two launches take different layouts), or "" when W_hh does not fit on chip (or the GPU has no
+    thread-block clusters); "cpu" for the CPU; "" without the compiled kernels."""
     device = torch.device(device)
     if device.type == "cuda" and not has_rnn_kernels():
         return ""
