@@ -100,7 +100,10 @@ enum class Kernel { kGeneric, kFused, kScatter };
 //   scatter   backward (reduce-scatter) ~1,900 plus, per sample, twice its FMA-clocks, a float4
 //             send per 4 units and ~80: slower than the all-gather at one sample (its two
 //             __syncthreads and the sums of the partials are on every step's path), up to 45%
-//             faster at eight.
+//             faster at eight. Since its sends were made cheaper (twenty-second session) it measures
+//             15-21% below this at hidden 256 (1,989 / 3,063 / 3,775 clocks at 1 / 5 / 8 samples, the
+//             last a GRU's), 2% below the all-gather at one sample; not refitted, since a refit would
+//             move layouts not timed with it (hidden 64-128, one sample).
 double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
                         int wbytes) {
   const bool cluster = sync == Sync::kCluster;

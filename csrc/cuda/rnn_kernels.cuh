@@ -296,10 +296,15 @@ struct Mailbox {
                  ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
   }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
-                 ::"r"(peer(local_dst, rank)), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
-                 "r"(peer(bars + 8 * parity, rank)) : "memory");
+    send_mapped(peer(local_dst, rank), peer(bars + 8 * parity, rank), v);
   }
+  // A send whose destination and mbarrier are already cluster addresses (peer): a block that sends
+  // to the same peer every step maps them once.
+  __device__ __forceinline__ static void send_mapped(uint32_t dst, uint32_t bar, float4 v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
+  }
+  __device__ __forceinline__ uint32_t bar(int parity) const { return bars + 8 * parity; }
 };
 
 // Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:

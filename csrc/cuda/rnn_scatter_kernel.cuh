@@ -16,8 +16,12 @@
 //       c = t % (Kp / 4) (k = 4c .. 4c + 3). It holds W_hh[gate * H + j0 + 4u + i][4c .. 4c + 3] for
 //       its 4 units and every gate (64 floats) and writes, per running sample, the float4 of
 //       sum over its units and gates of W_hh[row][k] * g[row] to red[b][u][c].
-//   then every thread takes (sample, chunk) pairs: the sum over u (in order) of red[b][u][c] is this
-//       block's partial dh_{t-1} of units 4c .. 4c + 3, sent as one float4 to their owner's recv.
+//   then thread t sums chunk c = t % C4 for samples t / C4, t / C4 + kThreads / C4, ...: the sum over u
+//       (in order) of red[b][u][c] is this block's partial dh_{t-1} of units 4c .. 4c + 3, sent as one
+//       float4 to their owner's recv. Its owner and the cluster addresses there are worked out once, before
+//       the steps: with a division by C4 and by hs and two mapa per send, this phase had cost ~4.8 clocks
+//       a send, twice what it does now (LSTM 256, 5 samples a block: 1,545 -> 750 clocks a step;
+//       BENCHMARKS.md, twenty-second session).
 //
 // Synchronisation (cluster; a single block replaces the mailbox wait by a __syncthreads)
 // -------------------------------------------------------------------------------------
@@ -93,6 +97,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_scatter_kernel(const
   const int len = cell ? slots.lens[cb] : 0;
   // Each source block sends, per running sample, the float4 chunks that hold this block's units.
   const uint32_t chunk_bytes = static_cast<uint32_t>(nc * ceil_div(blk.hv, 4) * 16);
+  // The sums' pairs of this thread, fixed for the kernel: chunk sc of samples sb0, sb0 + sstride, ...
+  // (C4 <= kThreads), its owner and where it lands there (buffer 0, sample 0), mapped to the owner's
+  // shared memory once (a send then costs no division and no mapa).
+  const int sstride = kThreads / C4, sb0 = tid / C4, sc = tid - sb0 * C4;
+  const bool sums = sb0 < sstride && 4 * sc < H;
+  const int sowner = sums ? 4 * sc / hs : 0;
+  float* const sto = recv + blk.rank * BT * hs + (4 * sc - sowner * hs);
+  const bool mapped = cluster && sums;
+  const uint32_t sto_peer = mapped ? Mailbox::peer(smem_u32(sto), sowner) : 0u;
+  const uint32_t sbar0 = mapped ? Mailbox::peer(mbox.bar(0), sowner) : 0u;
+  const uint32_t sbar1 = mapped ? Mailbox::peer(mbox.bar(1), sowner) : 0u;
 
   float pnext[F];
   auto prefetch = [&](int s) {
@@ -161,21 +176,25 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_scatter_kernel(const
     }
     __syncthreads();  // B
     VLSEQ_MARK(1, 2, s);
-    for (int e = tid; e < nact * C4; e += kThreads) {
-      const int b = e / C4, c = e - b * C4;
-      if (4 * c >= H) continue;
-      const float4* src = red + b * U * C4 + c;
+    for (int b = sums ? sb0 : nact; b < nact; b += sstride) {
+      const float4* src = red + b * U * C4 + sc;
       float4 tot = src[0];
-      for (int u = 1; u < U; ++u) {
+      int u = 1;
+      for (; u + 2 < U; u += 3) {  // three loads in flight, added in order (the same bits)
+        const float4 v0 = src[u * C4], v1 = src[(u + 1) * C4], v2 = src[(u + 2) * C4];
+        tot.x += v0.x, tot.y += v0.y, tot.z += v0.z, tot.w += v0.w;
+        tot.x += v1.x, tot.y += v1.y, tot.z += v1.z, tot.w += v1.w;
+        tot.x += v2.x, tot.y += v2.y, tot.z += v2.z, tot.w += v2.w;
+      }
+      for (; u < U; ++u) {
         const float4 v = src[u * C4];
         tot.x += v.x, tot.y += v.y, tot.z += v.z, tot.w += v.w;
       }
-      const int owner = 4 * c / hs;
-      float* to = recv + ((cur * nc + blk.rank) * BT + b) * hs + (4 * c - owner * hs);
+      const int off = (cur * nc * BT + b) * hs;  // floats from (buffer 0, sample 0)
       if (cluster)
-        mbox.send(owner, smem_u32(to), cur, tot);
+        Mailbox::send_mapped(sto_peer + 4u * off, cur ? sbar1 : sbar0, tot);
       else
-        *reinterpret_cast<float4*>(to) = tot;
+        *reinterpret_cast<float4*>(sto + off) = tot;
     }
     ask_l2(s - 2);
     VLSEQ_MARK(1, 3, s);
