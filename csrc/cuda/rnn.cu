@@ -393,19 +393,18 @@ at::Tensor samples_by_length(const at::Tensor& lengths, bool fused) {
                                       : at::Tensor();
 }
 
-}  // namespace
-
-namespace {
+// "local 1 blocks x 32 groups, 64 units and 1 samples per block": what vlseq_ext.nn.concurrency reads.
 std::string layout_text(const LaunchPlan& l) {
   static const char* names[] = {"local", "cluster", "grid"};
   return std::string(names[l.sync]) + " " + std::to_string(l.nc) + " blocks x " + std::to_string(l.groups) +
          " groups, " + std::to_string(l.hs) + " units and " + std::to_string(l.bs) + " samples per block";
 }
 std::string kib(int64_t bytes) { return std::to_string(bytes / 1024); }
+
 }  // namespace
 
-// One layout: "<layout>, <kernels>, shared memory F/B KiB". Two (a cluster or local forward and backward
-// on different layouts): "<forward layout>, <its kernel>, shared memory F KiB; backward: <layout>, <its
+// One layout: "<layout>, <kernels>, shared memory F/B KiB". Two (a forward and a backward on clusters of
+// their own, Choices): "<forward layout>, <its kernel>, shared memory F KiB; backward: <layout>, <its
 // kernel>, shared memory B KiB" (vlseq_ext.nn.concurrency reads the layouts).
 std::string LayerPlan::describe() const {
   if (!ok) return "";
