@@ -185,11 +185,11 @@ struct Pair {
 struct Choices {
   Pair joint;
   Cost wide_forward, scatter_backward;
-  const Pair* best(Pair& mixed) const {
+  Pair best() const {  // ok false: none
+    Pair pair = joint;
     if (wide_forward.ok && scatter_backward.ok)
-      mixed.offer(wide_forward.clocks + scatter_backward.clocks, wide_forward.launch, scatter_backward.launch);
-    if (!joint.ok) return mixed.ok ? &mixed : nullptr;
-    return mixed.ok && mixed.clocks < joint.clocks ? &mixed : &joint;
+      pair.offer(wide_forward.clocks + scatter_backward.clocks, wide_forward.launch, scatter_backward.launch);
+    return pair;
   }
 };
 
@@ -468,11 +468,10 @@ LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, 
     Choices local, clusters;
     cluster_plan(cell, weights, H, B, 1, sms, p, device, local);
     for (int nc : {2, 4, 8, 16}) cluster_plan(cell, weights, H, B, nc, sms, p, device, clusters);
-    Pair mixed;
-    const Pair *a = local.joint.ok ? &local.joint : nullptr, *c = clusters.best(mixed);
-    if (a || c) {
-      const Pair* pair = a && (!c || a->clocks <= c->clocks) ? a : c;
-      plan.ok = true, plan.forward = pair->forward, plan.backward = pair->backward;
+    Pair pair = clusters.best();
+    if (local.joint.ok && (!pair.ok || local.joint.clocks <= pair.clocks)) pair = local.joint;
+    if (pair.ok) {
+      plan.ok = true, plan.forward = pair.forward, plan.backward = pair.backward;
     } else {
       grid_plan(cell, weights, H, B, sms, p, device, plan);
     }

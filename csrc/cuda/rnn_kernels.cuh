@@ -264,16 +264,17 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // release of its stores, only for the bytes it needs.
 struct Mailbox {
   uint32_t bars;  // this block's two mbarriers (shared::cta address)
+  __device__ __forceinline__ uint32_t bar(int parity) const { return bars + 8 * parity; }
 
   __device__ __forceinline__ explicit Mailbox(uint64_t* b) : bars(smem_u32(b)) {
     if (threadIdx.x == 0) {
-      for (int p = 0; p < 2; ++p) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8 * p) : "memory");
+      for (int p = 0; p < 2; ++p) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar(p)) : "memory");
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // before the set-up's cluster barrier
     }
   }
   __device__ __forceinline__ void expect(int parity, uint32_t bytes) const {
     if (threadIdx.x == 0)  // no arrival token (_): the wait goes by phase parity
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bars + 8 * parity), "r"(bytes)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar(parity)), "r"(bytes)
                    : "memory");
   }
   __device__ __forceinline__ void wait(int parity, uint32_t phase) const {
@@ -282,7 +283,7 @@ struct Mailbox {
       asm volatile(
           "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
           " selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done) : "r"(bars + 8 * parity), "r"(phase) : "memory");
+          : "=r"(done) : "r"(bar(parity)), "r"(phase) : "memory");
     }
   }
   // The address in block `rank` of the cluster of this block's shared-memory address `local`.
@@ -293,18 +294,17 @@ struct Mailbox {
   }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float v) const {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
-                 ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bars + 8 * parity, rank)) : "memory");
+                 ::"r"(peer(local_dst, rank)), "f"(v), "r"(peer(bar(parity), rank)) : "memory");
   }
   __device__ __forceinline__ void send(int rank, uint32_t local_dst, int parity, float4 v) const {
-    send_mapped(peer(local_dst, rank), peer(bars + 8 * parity, rank), v);
+    send_mapped(peer(local_dst, rank), peer(bar(parity), rank), v);
   }
   // A send whose destination and mbarrier are already cluster addresses (peer): a block that sends
   // to the same peer every step maps them once.
-  __device__ __forceinline__ static void send_mapped(uint32_t dst, uint32_t bar, float4 v) {
+  __device__ __forceinline__ static void send_mapped(uint32_t dst, uint32_t mbar, float4 v) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
-                 ::"r"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
+                 ::"r"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(mbar) : "memory");
   }
-  __device__ __forceinline__ uint32_t bar(int parity) const { return bars + 8 * parity; }
 };
 
 // Lanes that split one tile's reduction: as many as keep every thread busy, at most 32 (one warp:

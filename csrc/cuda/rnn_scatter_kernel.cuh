@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_scatter_kernel(const
   // (C4 <= kThreads), its owner and where it lands there (buffer 0, sample 0), mapped to the owner's
   // shared memory once (a send then costs no division and no mapa).
   const int sstride = kThreads / C4, sb0 = tid / C4, sc = tid - sb0 * C4;
-  const bool sums = sb0 < sstride && 4 * sc < H;
+  const bool sums = sb0 < sstride;
   const int sowner = sums ? 4 * sc / hs : 0;
   float* const sto = recv + blk.rank * BT * hs + (4 * sc - sowner * hs);
   const bool mapped = cluster && sums;
