@@ -431,7 +431,7 @@ def test_sweep_and_diag_gpu_plans():
                 "diag.crossover.64KB.vlseq"} <= keys
     else:
         assert "CUDA kernels" in res.data["skipped"]["diag.kernels"]
-    assert {"diag.limits.one_lstm_h256_l2_k32", "diag.limits.one_lstm_h1024_l1_k32", "diag.limits.list_lstm_h1024_l1_k32",
+    assert {"diag.limits.list_bigru_h256_l2_k32", "diag.limits.one_lstm_h1024_l1_k32", "diag.limits.list_lstm_h1024_l1_k32",
             "diag.limits.launch_ceiling.streams1", "diag.limits.launch_ceiling.streams8",
             "diag.limits.batch_scaling.lstm_h1024_l1.B128", "diag.limits.launch_threads.threads4"} <= keys
 

@@ -2,8 +2,8 @@
 results under `diag.limits`; GPUs only).
 
   points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
-      where one GPU of ours is slowest against the best plain one-GPU loop: one-sample and list-form
-      LSTM h256 l2 and h1024 l1 at k=32. A few steps back to back (one sync at the end) under
+      where one GPU of ours is slowest against the best plain one-GPU loop (twenty-second session):
+      the list-form LSTM h1024 l1 and l2 and biGRU h256 l2, and the one-sample LSTM h1024 l1, at k=32. A few steps back to back (one sync at the end) under
       torch.profiler:
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
       union of the kernel intervals (active: the time at least one kernel runs); busy / active,
@@ -38,8 +38,8 @@ from .sweep import point_trainer
 from .sweep_points import POOL, ModelSpec, point_name
 from .timing import Budget, is_kernel, synchronizer, time_loop
 
-POINTS = (("one", ModelSpec("lstm", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32),
-          ("list", ModelSpec("lstm", 256, 2), 32), ("list", ModelSpec("lstm", 1024, 1), 32))
+POINTS = (("list", ModelSpec("lstm", 1024, 1), 32), ("list", ModelSpec("lstm", 1024, 2), 32),
+          ("list", ModelSpec("bigru", 256, 2), 32), ("one", ModelSpec("lstm", 1024, 1), 32))
 PROFILED_STEPS = 4
 GRAPH_KERNELS = 1000
 STREAMS = (1, 4, 8)
@@ -50,7 +50,7 @@ LAUNCH_REPLAYS = 32
 SCALING_MODELS = (ModelSpec("lstm", 256, 2), ModelSpec("lstm", 1024, 1))
 SCALING_BATCHES = (1, 8, 32, 128)
 SCALING_LENGTH = 480
-TOP_KERNELS = 8
+TOP_KERNELS = 12
 KERNEL_NAME_CHARS = 90
 
 
