@@ -445,6 +445,7 @@ def test_limits_union_of_kernel_intervals_and_table():
         "one_lstm_h256_l2_k32": {"plan": "per_sample", "wall_us_per_step": 80_000.0, "kernels_per_step": 80_000.0,
                                  "busy_us_per_step": 150_000.0, "active_us_per_step": 70_000.0,
                                  "kernels_in_flight": 2.14, "active_share_of_wall": 0.875, "kernels_per_s": 1e6,
+                                 "span_us_per_step": 75_000.0, "active_share_of_span": 0.933,
                                  "mean_kernel_us": 1.9, "top_kernels": [
                                      {"name": "RNN_blockPersist_fp", "per_step": 40_000.0, "mean_us": 20.0,
                                       "share_of_busy": 0.64}],
@@ -458,7 +459,8 @@ def test_limits_union_of_kernel_intervals_and_table():
         "launch_threads": {"threads1": 400.0, "threads4": 1100.0},
         "launch_ceiling": {"streams1": 4e5, "streams4": 1.2e6}})
     text = "\n".join(table)
-    assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 2.14 |" in text
+    assert "| one_lstm_h256_l2_k32 | per_sample | 80,000 | 80,000 | 150,000 | 70,000 | 88% | 93% | 2.14 |" in text
+    assert "| list_lstm_h1024_l1_k32 | padded | 18,000 | 3,000 | 17,000 | 17,000 | 94% | - | 1 |" in text
     assert "| 41% |" in text and "| 1.9 | - |" in text
     assert "1 stream(s) 400,000, 4 stream(s) 1,200,000" in text
     assert "- one_lstm_h256_l2_k32, host: 32.0 graph launches per step, 2,500 µs each, 98% of the wall" in text

@@ -109,10 +109,14 @@ def profile_point(res: Results, dev: torch.device, form: str, spec: ModelSpec, k
     n = len(steps)
     busy = sum(e.time_range.end - e.time_range.start for e in kernels) / n
     active = _union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / n
+    # From the first kernel's start to the last one's end: the wall time less the host's lead-in before
+    # the first kernel, which a few steps' window would count as idle GPU time.
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / n if kernels else 0.0
     entry: Dict[str, Any] = {"plan": plan, "samples_per_step": k, "wall_us_per_step": wall * 1e6,
                              "kernels_per_step": len(kernels) / n, "busy_us_per_step": busy,
                              "active_us_per_step": active, "kernels_in_flight": busy / active if active else None,
-                             "active_share_of_wall": active / (wall * 1e6),
+                             "active_share_of_wall": active / (wall * 1e6), "span_us_per_step": span,
+                             "active_share_of_span": active / span if span else None,
                              "kernels_per_s": len(kernels) / n / wall,
                              "mean_kernel_us": busy / (len(kernels) / n) if kernels else None}
     launches = [e.time_range.end - e.time_range.start for e in prof.events()
@@ -203,15 +207,20 @@ def markdown_lines(limits: Dict[str, Any]) -> List[str]:
     L = ["", "## Diagnostics: what limits the hardest sweep points (one GPU, profiled)", ""]
     if points:
         L += ["busy: kernel time summed over streams; active: time at least one kernel runs; in flight: busy / "
-              "active.", "", "| point | plan | wall µs/step | kernels/step | busy µs | active µs | active / wall | "
-              "in flight | kernels/s | µs/kernel | padding |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "active; span: the first kernel's start to the last one's end (the wall time less the host's lead-in); in "
+              "flight: busy / active.", "", "| point | plan | wall µs/step | kernels/step | busy µs | active µs | "
+              "active / wall | active / span | in flight | kernels/s | µs/kernel | padding |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def share(v: Any) -> str:
+        return f"{100 * v:.0f}%" if v is not None else "-"
     for name, e in points.items():
         pad = e.get("padding_share")
         L.append(f"| {name} | {e.get('plan')} | {fmt(e.get('wall_us_per_step'))} | {fmt(e.get('kernels_per_step'))} | "
                  f"{fmt(e.get('busy_us_per_step'))} | {fmt(e.get('active_us_per_step'))} | "
-                 f"{100 * e.get('active_share_of_wall', 0):.0f}% | {fmt(e.get('kernels_in_flight'))} | "
+                 f"{share(e.get('active_share_of_wall', 0))} | {share(e.get('active_share_of_span'))} | "
+                 f"{fmt(e.get('kernels_in_flight'))} | "
                  f"{fmt(e.get('kernels_per_s'))} | {fmt(e.get('mean_kernel_us'))} | "
-                 f"{f'{100 * pad:.0f}%' if pad is not None else '-'} |")
+                 f"{share(pad)} |")
     for name, e in points.items():
         tops = "; ".join(f"`{t['name']}` {fmt(t['per_step'])}/step × {fmt(t['mean_us'])} µs "
                          f"({100 * t['share_of_busy']:.0f}%)" for t in e.get("top_kernels") or [])
