@@ -1,0 +1,83 @@
+"""Where the host time of a gathered step goes: the sweep's one-sample LSTM (the trainer's "gathered"
+plan, gather.CallGatherer) at k samples, warm, on one GPU.
+
+  1. samples/s over back-to-back steps (no profiler), and the step's GPU busy time (torch.profiler);
+  2. torch.profiler's CPU events over a few steps, every thread: the ops and autograd nodes with the
+     most self CPU time, with their count per step.
+(cProfile in the pass threads, by threading.setprofile, fails on Python 3.12: "Another profiling tool is
+already active"; the passes then die and the step never ends.)
+
+    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from vlseq_ext.bench.baselines import Feeder, make_pool
+from vlseq_ext.bench.sweep import point_trainer
+from vlseq_ext.bench.sweep_points import POOL, ModelSpec
+from vlseq_ext.bench.timing import device_time_us, is_kernel
+
+TOP = 30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    spec = ModelSpec("lstm", args.hidden, args.layers)
+    pool = make_pool(POOL, seed=0, pin=True)
+
+    def run(steps: int, profiler=None) -> float:
+        trainer = point_trainer(spec, "one", args.k, [dev], fused=True)
+        feed = Feeder(pool)
+        try:
+            for _ in range(3):
+                trainer.step(*feed.next(args.k))
+            torch.cuda.synchronize()
+            assert trainer.runner.plan == "gathered", trainer.runner.plan
+            t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.start()
+            for _ in range(steps):
+                trainer.step(*feed.next(args.k))
+            torch.cuda.synchronize()
+            if profiler is not None:
+                profiler.stop()
+            return (time.perf_counter() - t0) / steps
+        finally:
+            trainer.close()
+
+    dt = run(args.steps)
+    print(f"{spec.name} one-sample k={args.k}: {dt * 1e3:.2f} ms a step, {args.k / dt:,.0f} samples/s, "
+          f"{dt / args.k * 1e6:.0f} us a pass")
+
+    prof_steps = 5
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    run(prof_steps, prof)
+    busy = sum(device_time_us(e) for e in prof.events() if is_kernel(e)) / prof_steps
+    count, self_us = collections.Counter(), collections.Counter()
+    threads = collections.Counter()
+    for e in prof.events():
+        if is_kernel(e):
+            continue
+        count[e.name] += 1
+        self_us[e.name] += e.self_cpu_time_total
+        threads[e.thread] += e.self_cpu_time_total
+    print(f"GPU busy {busy:,.0f} us a step; self CPU time by thread (us a step): "
+          + ", ".join(f"{t}: {v / prof_steps:,.0f}" for t, v in threads.most_common(6)))
+    for name, us in self_us.most_common(TOP):
+        print(f"  {us / prof_steps:9,.0f} us  {count[name] / prof_steps:7.1f}/step  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
