@@ -101,9 +101,11 @@ enum class Kernel { kGeneric, kFused, kScatter };
 //             send per 4 units and ~80: slower than the all-gather at one sample (its two
 //             __syncthreads and the sums of the partials are on every step's path), up to 45%
 //             faster at eight. Since its sends were made cheaper (twenty-second session) it measures
-//             15-21% below this at hidden 256 (1,989 / 3,063 / 3,775 clocks at 1 / 5 / 8 samples, the
-//             last a GRU's), 2% below the all-gather at one sample; not refitted, since a refit would
-//             move layouts not timed with it (hidden 64-128, one sample).
+//             0-27% below this (hidden 64-256, 1-16 blocks, 1-5 samples a block; twenty-third
+//             session), but the fused all-gather measures below its own estimate too, and the pair
+//             still picks the faster backward at 12 of the 15 shapes timed (the three others cost
+//             2-5%). Refitting the scatter alone would pick the slower one at two of them (LSTM 128
+//             on 16 blocks and 64 on one, 2 samples a block): not done.
 double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, int H, int bs, int bt, int nc,
                         int wbytes) {
   const bool cluster = sync == Sync::kCluster;
