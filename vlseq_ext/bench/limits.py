@@ -3,11 +3,12 @@ results under `diag.limits`; GPUs only).
 
   points: our trainer on the first GPU, warm (the sweep's pool, graphs captured), at the points
       where one GPU of ours is slowest against the best plain one-GPU loop (twenty-second session):
-      the list-form LSTM h1024 l1 and l2 and biGRU h256 l2, and the one-sample LSTM h1024 l1, at k=32. A few steps back to back (one sync at the end) under
-      torch.profiler:
+      the list-form LSTM h1024 l1 and l2 and biGRU h256 l2, and the one-sample LSTM h1024 l1, at
+      k=32. A few steps back to back (one sync at the end) under torch.profiler:
       wall per step; kernels per step; kernel time per step summed over streams (busy) and as the
-      union of the kernel intervals (active: the time at least one kernel runs); busy / active,
-      the mean number of kernels in flight; kernels completed per second. For the padded plan, the
+      union of the kernel intervals (active: the time at least one kernel runs); the span from the
+      first kernel's start to the last one's end (the wall time less the host's lead-in) and active /
+      span; busy / active, the mean number of kernels in flight; kernels completed per second. For the padded plan, the
       share of the padded batch that is padding; the kernels with the most busy time (calls per
       step, mean µs, share); the host's time per cudaGraphLaunch and its share of the wall time.
       {<point>: {...}}.
