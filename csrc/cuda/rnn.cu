@@ -271,7 +271,7 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
-bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device,
+void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device,
                LayerPlan& best) {
   const Weights w = stored_weights(precision);
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
@@ -339,7 +339,6 @@ bool grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       best.backward.fused = regs || btf32, best.backward.tf32 = btf32, best.backward.smem = bwd;
     }
   }
-  return best.ok;
 }
 
 Geometry geometry(const LaunchPlan& plan, const Sizes& z, bool reverse) {
@@ -525,12 +524,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32 ? tf32_forward_kernel(plan, z)
-         : grid && plan.fused ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
-         : grid                       ? grid_forward_kernel(z.cell, stored, plan.bt)
-                                      : forward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
-         a, plan,
-         c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
+  launch(plan.tf32               ? tf32_forward_kernel(plan, z)
+         : grid && plan.fused    ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
+         : grid                  ? grid_forward_kernel(z.cell, stored, plan.bt)
+                                 : forward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
+         a, plan, c10::cuda::getCurrentCUDAStream(xproj.get_device()).stream());
   return {y, h_n, c_n, saved, cs};
 }
 
@@ -585,13 +583,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32 ? tf32_backward_kernel(plan, z)
-         : grid && plan.fused ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
-         : grid                        ? grid_backward_kernel(z.cell, stored, plan.bt)
-         : plan.scatter       ? backward_scatter_kernel(z.cell, plan.bt)
-                                       : backward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
-         a, plan,
-         c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
+  launch(plan.tf32               ? tf32_backward_kernel(plan, z)
+         : grid && plan.fused    ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
+         : grid                  ? grid_backward_kernel(z.cell, stored, plan.bt)
+         : plan.scatter          ? backward_scatter_kernel(z.cell, plan.bt)
+                                 : backward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),
+         a, plan, c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
   return {dgates, dgates_hn, dh0, dc0};
 }
 
