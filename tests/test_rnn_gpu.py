@@ -261,7 +261,7 @@ def test_too_large_falls_back_with_one_warning(rand):
     (nn.LSTM, 256, 7, 2, True, False),   # clusters
     (nn.LSTM, 1024, 32, 1, False, False),  # the grid layout, W_hh in registers
     (nn.GRU, 1024, 32, 1, False, False),
-    (nn.LSTM, 1024, 32, 1, False, True),  # the grid layout, TF32 on the tensor cores
+    (nn.LSTM, 1024, 32, 1, False, True),  # the grid layout: the forward in 16 bits, the backward TF32
     (nn.GRU, 1024, 32, 1, False, True),
 ])
 def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional, tf32):
@@ -269,8 +269,10 @@ def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional, tf32):
     torch.backends.cudnn.allow_tf32 = tf32  # the fixture restores it
     if H == 1024:
         plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "tf32" if tf32 else "fp32", DEV)
-        assert "W_hh in registers (forward and backward)" in plan, plan
-        assert ("TF32 products on the tensor cores (forward and backward)" in plan) == tf32, plan
+        if tf32:
+            assert HALF_FORWARD in plan and "TF32 products on the tensor cores (backward)" in plan, plan
+        else:
+            assert "W_hh in registers (forward and backward)" in plan and "tensor cores" not in plan, plan
     ref, mod, x, lens, hx = make(rand, cls, 36, H, layers=layers, bidirectional=bidirectional,
                                  lengths=random_lengths(rand, B, 1, 90))
     dirs = 2 if bidirectional else 1
@@ -412,31 +414,64 @@ def test_tf32_mode_tolerance(rand):
 
 # The TF32 kernels' error, relative norm, against the fp32 kernels (W_hh and h or the gate gradients
 # rounded to TF32's 10-bit mantissa, products summed in fp32): 0.5-3.9e-4 measured over 30 steps
-# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5.
+# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5. The forward in
+# 16 bits rounds W_hh and h to the same 11 significant bits.
 TF32_OP_TOL = 2e-3
+HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
+TF32_BOTH = ("TF32 products on the tensor cores (forward and backward)",)
+HALF_TF32 = (HALF_FORWARD, "TF32 products on the tensor cores (backward)")
+LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
-@pytest.mark.parametrize("cell,H,lens,reverse,directions,max_blocks", [
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, False, "forward and backward", 0),
-    ("gru", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2, True, "forward and backward", 0),
+@pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
+    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128
+    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
+    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
     # the backward's second m-tile of samples: all of them ended after a few steps
-    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "forward and backward", 0),
-    # 126 blocks of units rounded up to 128 (two hold none); the last one unit, padding columns
-    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "forward and backward", 0),
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "forward and backward", 0),  # 125 rounded up to 128
-    # 64 blocks: 8 row groups, one owner a warp
-    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "forward and backward", 64),
+    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "grid 64 blocks x 2",
+     HALF_TF32, 0),
+    # 126 blocks of units rounded up to 128 for the backward (two hold none); the last one unit, padding
+    # columns; the forward's last block 9 units of 16
+    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 63 blocks x 2", HALF_TF32, 0),
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 63 blocks x 2", HALF_TF32, 0),
+    # 64 blocks: 8 row groups, one owner a warp; no 16-bit forward below hidden 615
+    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid 64 blocks x 1", TF32_BOTH, 64),
     # fewer than 8 or more than 32 samples a group: the fp32 register backward (126 blocks, 40 samples)
-    ("lstm", 1001, [30, 4, 17], True, "forward", 0),
-    ("lstm", 1024, [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6, 30, 5, 11, 30] * 2, False, "forward", 0),
+    ("lstm", 1001, [30, 4, 17], True, "grid 63 blocks x 2", (HALF_FORWARD, "W_hh in registers (backward)"), 0),
+    ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2, 16 units and 20 samples",
+     (HALF_FORWARD, "W_hh in registers (backward)"), 0),
 ])
-def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, directions, max_blocks):
+def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_blocks):
     """weights "tf32" on the grid layout: the products on the tensor cores in the directions whose kernel
-    has the shape; every output of both ops against the CPU kernels in fp32 within TF32_OP_TOL, and
-    samples past their length untouched."""
+    has the shape (the forward in 16 bits on a layout of its own where it has one); every output of both
+    ops against the CPU kernels in fp32 within TF32_OP_TOL, and samples past their length untouched."""
     plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV, max_blocks=max_blocks)
-    assert plan.startswith("grid") and f"TF32 products on the tensor cores ({directions})" in plan, plan
+    assert plan.startswith(layout) and all(k in plan for k in kernels), plan
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
+
+
+def test_op_forward_in_16_bits_scales_each_row(rand):
+    """The 16-bit forward scales each row of W_hh by a power of 2 of its own: rows of weights past fp16's
+    range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
+    normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
+    ones. The huge rows' gates get inputs of 1e8, so that they saturate whatever the products' rounding
+    (near zero a rounding of the huge products could flip them). Every output of both ops against the CPU
+    kernels within TF32_OP_TOL."""
+    lens = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17]
+    plan = ops.rnn_plan("lstm", 1024, len(lens), "tf32", DEV)
+    assert plan.startswith("grid 64 blocks x 2") and HALF_FORWARD in plan, plan
+
+    def rows_apart(xp, w, b):
+        huge = torch.arange(0, 4 * 1024, 7)
+        w[huge] *= 4e6
+        xp[..., huge] = 1e8
+        w[3::11] *= 4e-6
+        w[5::13] *= 1e-34
+        w[6::17] = 0
+        assert w.abs().max() > 65504 and w.isfinite().all()
+        return xp, w, b
+
+    compare_ops_with_cpu(rand, "lstm", lens, 30, 1024, False, weights="tf32", tol=TF32_OP_TOL, adjust=rows_apart)
 
 
 def test_op_grid_layout_tf32_in_two_groups(rand):
@@ -521,11 +556,14 @@ def test_bf16_autocast_tolerance(rand):
     assert err < 3e-2, err
 
 
-def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5):
-    """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm)."""
+def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5, adjust=None):
+    """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm);
+    adjust(xproj, W_hh, b_hh) -> the three: changes to the random inputs."""
     B, G = len(lens), 4 if cell == "lstm" else 3
     xp = rand.randn(B, T, G * H)
     w, b = rand.randn(G * H, H, scale=0.8 / H ** 0.5), rand.randn(G * H, scale=0.1)
+    if adjust is not None:
+        xp, w, b = adjust(xp, w, b)
     h0 = rand.randn(B, H)
     c0 = rand.randn(B, H) if cell == "lstm" else None
     dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)

@@ -1,13 +1,13 @@
 // Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch.
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups] [bt]   (default LSTM, fp32, 1 group, the
-// batch tile the planner would take; 480 steps,
-// each group B samples on nc blocks: the generic kernels, then, in fp32, the fused ones and the
-// reduce-scatter backward where they fit; nc > 16: the grid kernels, launched cooperatively, h staged
-// in the chunks the planner would pick; both directions also with W_hh in registers and with TF32 MMAs
-// where they fit). Several groups make the batch's tensors outgrow L2, as in
-// the bench (7 groups of 5 samples: the LSTM 256 x 2 at batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0,
-// the fused kernels do not ask L2 for the step after next's inputs (the A/B of BENCHMARKS.md, ninth session).
+// batch tile the planner would take; 480 steps, each group B samples on nc blocks): the generic kernels,
+// then, in fp32, the fused ones and the reduce-scatter backward where they fit; nc > 16: the grid kernels,
+// launched cooperatively, h staged in the chunks the planner would pick; both directions also with W_hh in
+// registers and with TF32 MMAs where they fit, and the forward with W_hh in 16 bits where it does. Several
+// groups make the batch's tensors outgrow L2, as in the bench (7 groups of 5 samples: the LSTM 256 x 2 at
+// batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0, the fused kernels do not ask L2 for the step after
+// next's inputs (the A/B of BENCHMARKS.md, ninth session).
 #define VLSEQ_RNN_TIMING 1
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +31,7 @@ VLSEQ_RNN_GRID_REGS_TABLE(grid_backward_regs_kernel, rnn_backward_grid_regs_kern
 VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_kernel)
 VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel)
 VLSEQ_RNN_GRID_TF32_BWD_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel)
+VLSEQ_RNN_GRID_HALF_FWD_TABLE(grid_forward_half_kernel, rnn_forward_grid_half_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -141,6 +142,15 @@ int main(int argc, char** argv) {
       static const char* gft[] = {"stage", "mma", "sync", "cell", "arrive", "stores+prefetch", "wait"};
       launch(grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks), fa, blocks, nc, GridTf32FwdSmem(g, ftsh).total, true);
       report(0, 7, T, gft);
+    }
+    const GridHalfFwdShape hsh(G, H, hs);
+    if (regs_pairs && hsh.ks > 0) {
+      printf(" W_hh and h in 16 bits, fp16 MMAs (%d m-tiles x %d k16-steps per warp):\n", hsh.mt, hsh.ks);
+      cudaMemset(arrivals, 0, groups * 4);
+      cudaMemset(fx, 0, (size_t)2 * groups * B * Kp * 4);  // its rows are round_up(H, 8) halves, the padding zero
+      static const char* gfh[] = {"stage", "mma", "sync", "cell", "arrive", "stores+prefetch", "wait"};
+      launch(grid_forward_half_kernel(cell, hsh.mt, hsh.ks), fa, blocks, nc, GridHalfFwdSmem(g, hsh).total, true);
+      report(0, 7, T, gfh);
     }
     float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
     float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);

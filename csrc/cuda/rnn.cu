@@ -136,8 +136,11 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
 // over one of 128.
-double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
-                   const GridRegsShape* regs, const GridTf32FwdShape* ftf32, const GridTf32BwdShape* btf32) {
+struct GridClocks {
+  double forward = 0, backward = 0;
+};
+GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
+                       const GridRegsShape* regs, const GridTf32FwdShape* ftf32, const GridTf32BwdShape* btf32) {
   const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);
   const double fma = R8 * Kp * bsp / 128.0;
   const double smem = (R8 / kGridRows) * (bsp / bt) * (Kp / 4.0) * (kGridRows * 4.0 * wbytes + bt * 16.0) / 128.0;
@@ -153,11 +156,20 @@ double grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int
                 // ~42 a clock, whichever bounds
     const double mmas = 8.0 * 2.0 * btf32->ntw * btf32->rows / 8.0;
     const double bytes = (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0;
-    return std::max(forward, l2) + 2500.0 + std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0;
+    return {std::max(forward, l2) + 2500.0, std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0};
   }
   const double backward = regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
                                : products;
-  return std::max(forward, l2) + 2500.0 + backward + l2 + 2500.0;
+  return {std::max(forward, l2) + 2500.0, backward + l2 + 2500.0};
+}
+// The forward with W_hh in 16 bits: its MMAs (as many clocks each as the TF32 forward's: twice the products
+// at twice the rate) or its staging of the group's h in fp16 at an SM's intake, ~42 bytes a clock (what
+// bounded the exchange measured on its own, at 16 blocks as at 128: BENCHMARKS.md, twelfth session; the
+// older kernels' estimate above charges L2 for the whole GPU instead), and ~2,500 for the cell and barrier.
+double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
+  const double mmas = 8.0 * sh.mt * sh.ks * ceil_div(bs, 8);
+  const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
+  return std::max(mmas, intake) + 2500.0;
 }
 
 struct Cost {
@@ -268,6 +280,36 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
   }
 }
 
+// The forward with W_hh in 16 bits on a layout of its own (the forward and the backward share only global
+// tensors), where its estimate beats `clocks`, the chosen forward's: 64 rows a block (4 m-tiles: LSTM
+// hidden 1024 on 64 blocks), as many groups as the SMs hold. Its blocks need no multiple of 4 units (that
+// is the backward's float4 sums).
+void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& forward,
+                       double clocks) {
+  const int G = num_gates(cell);
+  const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
+  for (int hs = ceil_div(33, G); G * hs <= 64; ++hs) {
+    const GridHalfFwdShape sh(G, H, hs);
+    const int nc = ceil_div(H, hs);
+    if (sh.ks == 0 || nc > sms || nc <= kMaxCluster || ceil_div(H, nc) != hs) continue;
+    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs);
+    if (bs * hs > kThreads * kGridRegItems) continue;
+    const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
+    const int64_t smem = GridHalfFwdSmem(g, sh).total;
+    if (smem > optin) continue;
+    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks);
+    prepare(kernel, device, p.sharedMemPerBlockOptin);
+    if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) continue;
+    const double c = half_forward_clocks(sh, H, bs);
+    if (c >= clocks) continue;
+    clocks = c;
+    LaunchPlan l;
+    l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = 8;
+    l.fused = l.half = true, l.smem = smem;
+    forward = l;
+  }
+}
+
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
@@ -277,7 +319,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
   const bool tf32 = precision == Weights::kTF32;
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-  double best_clocks = 0;
+  double best_clocks = 0, forward_clocks = 0;
   for (int hs = 4; hs < Kp; hs += 4) {
     const int units_nc = ceil_div(H, hs);
     if (units_nc > sms) continue;
@@ -326,10 +368,11 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       prepare(bk, device, p.sharedMemPerBlockOptin);
       const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
       if (resident < groups) continue;
-      const double clocks = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
-                                        ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
+      const GridClocks est = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
+                                         ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
+      const double clocks = est.forward + est.backward;
       if (best.ok && clocks >= best_clocks) continue;
-      best_clocks = clocks;
+      best_clocks = clocks, forward_clocks = est.forward;
       LaunchPlan l;  // both directions: one layout, each its kernel
       l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = g.chunk, l.groups = groups;
       l.bt = bt;
@@ -339,6 +382,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       best.backward.fused = regs || btf32, best.backward.tf32 = btf32, best.backward.smem = bwd;
     }
   }
+  if (best.ok && tf32) half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
 }
 
 Geometry geometry(const LaunchPlan& plan, const Sizes& z, bool reverse) {
@@ -353,6 +397,10 @@ GridRegsShape regs_shape(const LaunchPlan& plan, const Sizes& z) {
 const void* tf32_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   const GridTf32FwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
   return grid_forward_tf32_kernel(z.cell, sh.mt, sh.ks);
+}
+const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
+  const GridHalfFwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
+  return grid_forward_half_kernel(z.cell, sh.mt, sh.ks);
 }
 GridTf32BwdShape tf32_backward_shape(const LaunchPlan& plan, const Sizes& z) {
   return GridTf32BwdShape(num_gates(z.cell), plan.hs, plan.nc, plan.bs);
@@ -402,14 +450,34 @@ std::string layout_text(const LaunchPlan& l) {
 }
 std::string kib(int64_t bytes) { return std::to_string(bytes / 1024); }
 
+// The grid kernels of the launches given (f, b: the forward's, the backward's; null: not described here),
+// "(forward and backward)" saying which direction each applies to.
+std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
+  auto which = [](bool fwd, bool bwd) {
+    return std::string(" (") + (fwd ? "forward" : "") + (fwd && bwd ? " and " : "") + (bwd ? "backward" : "") + ")";
+  };
+  const bool half = f && f->half, fregs = f && f->fused && !half, bregs = b && b->fused;
+  const bool ftf32 = f && f->tf32, btf32 = b && b->tf32;
+  std::string s = f && !f->fused ? ", h staged " + std::to_string(f->chunk) + " columns at a time" : "";
+  if (fregs || bregs) s += ", W_hh in registers" + which(fregs, bregs);
+  if (half) s += ", W_hh and h in 16 bits, fp16 products on the tensor cores (forward)";
+  if (ftf32 || btf32) s += ", TF32 products on the tensor cores" + which(ftf32, btf32);
+  return s;
+}
+
 }  // namespace
 
-// One layout: "<layout>, <kernels>, shared memory F/B KiB". Two (a forward and a backward on clusters of
-// their own, Choices): "<forward layout>, <its kernel>, shared memory F KiB; backward: <layout>, <its
-// kernel>, shared memory B KiB" (vlseq_ext.nn.concurrency reads the layouts).
+// One layout: "<layout>, <kernels>, shared memory F/B KiB". Two (a forward and a backward on layouts of
+// their own: Choices in clusters, the 16-bit forward on the grid): "<forward layout>, <its kernel>, shared
+// memory F KiB; backward: <layout>, <its kernel>, shared memory B KiB" (vlseq_ext.nn.concurrency reads the
+// layouts).
 std::string LayerPlan::describe() const {
   if (!ok) return "";
   const LaunchPlan &f = forward, &b = backward;
+  const bool grid = f.sync == static_cast<int>(Sync::kGrid);
+  if (grid && !f.same_layout(b))
+    return layout_text(f) + grid_kernels_text(&f, nullptr) + ", shared memory " + kib(f.smem) + " KiB; backward: " +
+           layout_text(b) + grid_kernels_text(nullptr, &b) + ", shared memory " + kib(b.smem) + " KiB";
   if (!f.same_layout(b)) {
     auto kernel = [](const LaunchPlan& l) {
       return l.fused || l.scatter ? std::string(", fused cell and W_hh in registers") +
@@ -419,16 +487,7 @@ std::string LayerPlan::describe() const {
     return layout_text(f) + kernel(f) + ", shared memory " + kib(f.smem) + " KiB; backward: " + layout_text(b) +
            kernel(b) + ", shared memory " + kib(b.smem) + " KiB";
   }
-  const bool grid = f.sync == static_cast<int>(Sync::kGrid);
-  return layout_text(f) + (grid && !f.fused ? ", h staged " + std::to_string(f.chunk) + " columns at a time" : "") +
-         (grid && (f.fused || b.fused)
-              ? std::string(", W_hh in registers (") + (f.fused ? "forward" : "") + (f.fused && b.fused ? " and " : "") +
-                    (b.fused ? "backward" : "") + ")"
-              : "") +
-         (f.tf32 || b.tf32
-              ? std::string(", TF32 products on the tensor cores (") + (f.tf32 ? "forward" : "") +
-                    (f.tf32 && b.tf32 ? " and " : "") + (b.tf32 ? "backward" : "") + ")"
-              : "") +
+  return layout_text(f) + (grid ? grid_kernels_text(&f, &b) : "") +
          (!grid && (f.fused || b.fused || b.scatter)
               ? std::string(", fused cell and W_hh in registers (") + (f.fused ? "forward" : "") +
                     (f.fused && (b.fused || b.scatter) ? " and " : "") + (b.fused || b.scatter ? "backward" : "") + ")" +
@@ -504,7 +563,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor xchg, arrivals;
   if (grid) {
     // Rows of round_up(H, 4) for 16-byte copies; the padding stays zero (nobody writes it).
-    xchg = at::zeros({2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)}, opts);
+    xchg = at::zeros({plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups)
+                                : 2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)},
+                     opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
   const at::Tensor order = samples_by_length(lengths, !grid && plan.fused);
@@ -524,7 +585,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
                 xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                 arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32               ? tf32_forward_kernel(plan, z)
+  launch(plan.half               ? half_forward_kernel(plan, z)
+         : plan.tf32             ? tf32_forward_kernel(plan, z)
          : grid && plan.fused    ? grid_forward_regs_kernel(z.cell, plan.regs_rows, plan.regs_chunks)
          : grid                  ? grid_forward_kernel(z.cell, stored, plan.bt)
                                  : forward_kernel(z.cell, stored, plan.bt, plan.fused, local, plan.wide),

@@ -23,6 +23,8 @@
 // skipped) nor delivered: nobody reads their products (a sample live at step s was live at s - 1).
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include "rnn_fused_kernels.cuh"
 
 namespace vlseq::rnn {
@@ -186,16 +188,25 @@ __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
 // (every sample's row of Kp floats) and ends with a __syncthreads; gh_of(b, k, j) reads back gate k
 // of unit j of sample b; the cell's h goes to the exchange at once; then the barrier, with the
 // step's output stores and the next step's input loads between its arrive and its wait. TF32: the
-// exchange carries h rounded to TF32 (only the products read it; the state stays fp32).
-template <Cell C, int I, bool TF32 = false, typename Products, typename GhOf>
+// exchange carries h rounded to TF32 (only the products read it; the state stays fp32); X = __half: it
+// carries h in fp16 (rnn_forward_grid_half_kernel), rows of round_up(H, 8).
+template <Cell C, int I, bool TF32 = false, typename X = float, typename Products, typename GhOf>
 __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const Block& blk, const int* lens,
                                                    GroupBarrier& bar, Products&& products, GhOf&& gh_of) {
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
+  constexpr bool kHalf = std::is_same_v<X, __half>;
   const Geometry& g = a.g;
-  const int H = g.H, Kp = round_up(H, 4), j0 = blk.j0;
-  // Exchange: h of every sample of the group, rows of Kp (the host zeroes the padding).
+  const int H = g.H, Kp = round_up(H, 16 / static_cast<int>(sizeof(X))), j0 = blk.j0;
+  // Exchange: h of every sample of the group, rows of Kp 16-byte chunks (the host zeroes the padding).
   auto xchg = [&](int parity) {
-    return a.xchg + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
+    return reinterpret_cast<X*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
+  };
+  auto publish = [&](int parity, int b, int j, float v) {
+    X* at = xchg(parity) + static_cast<int64_t>(b) * Kp + j0 + j;
+    if constexpr (kHalf)
+      __stcg(reinterpret_cast<unsigned short*>(at), __half_as_ushort(__float2half_rn(v)));
+    else
+      __stcg(at, TF32 ? round_tf32(v) : v);
   };
   const Items<I> it(blk.bv, blk.hv);
   float h[I], c[I], bias[I][G];
@@ -208,7 +219,7 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
     if constexpr (C == Cell::kLSTM) c[i] = a.c0[at];
 #pragma unroll
     for (int q = 0; q < G; ++q) bias[i][q] = a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
-    __stcg(xchg(0) + static_cast<int64_t>(it.b[i]) * Kp + j0 + it.j[i], TF32 ? round_tf32(h[i]) : h[i]);
+    publish(0, it.b[i], it.j[i], h[i]);
   }
   const int smax = finish_setup(bar, lens, g.bs);
   float xnext[I][G];
@@ -232,7 +243,7 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
 #pragma unroll
       for (int k = 0; k < G; ++k) gh[k] = gh_of(b, k, j) + bias[i][k];
       forward_cell<C>(x[i], gh, h[i], c[i], out[i]);
-      __stcg(xchg(cur ^ 1) + static_cast<int64_t>(b) * Kp + j0 + j, TF32 ? round_tf32(h[i]) : h[i]);
+      publish(cur ^ 1, b, j, h[i]);
     }
     VLSEQ_MARK(0, 4, s);
     bar.arrive();

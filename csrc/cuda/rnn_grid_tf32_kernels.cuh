@@ -97,9 +97,54 @@ inline int64_t grid_tf32_exchange(const Geometry& g, int groups, const GridTf32B
 }
 inline int grid_tf32_counters(int groups, const GridTf32BwdShape& sh) { return groups * (sh.P + kTf32RowGroup); }
 
+// The forward with W_hh in 16 bits (rnn_forward_grid_half_kernel), for weights "tf32" on a layout of its
+// own: W_hh held in fp16 with a power-of-2 scale per row, h exchanged in fp16, the products m16n8k16 fp16
+// MMAs summed in fp32. fp16 keeps TF32's 11 significant bits; the row's scale puts its largest weight in
+// fp16's top binade, so only weights below 2^-29 of it lose bits (to an absolute error under 2^-40 of
+// it), and h (|h| < 1) loses bits only below 2^-14, by at most 2^-25, TF32's own rounding there. Half the
+// bytes a weight: a block holds 64 rows (LSTM 1024 on 64 blocks, half the GPU, 128 KB a block in 128
+// registers a thread, as the TF32 forward's 32 rows), and half the bytes of h to stage a step, which
+// bounds the grid forward's exchange (each SM's intake: BENCHMARKS.md, twelfth session).
+// Warp w multiplies all mt m-tiles of 16 rows by columns w * 16 * ks .. (ks k16-steps: 6 or 8, kq = 128 *
+// ks in all, at most a quarter of them padding); the warps' sums meet in shared memory.
+constexpr int kMmaK16 = 16;  // k of an m16n8k16 MMA
+struct GridHalfFwdShape {
+  int mt = 0, ks = 0, kq = 0;  // ks = 0: no kernel fits
+  __host__ __device__ GridHalfFwdShape(int G, int H, int hs) {
+    const int Kp = round_up(H, 8), m = ceil_div(G * hs, 16);
+    if (m < 3 || m > 4) return;
+    for (int k = 6; k <= 8; k += 2)
+      if (kWarps * kMmaK16 * k >= Kp && 4 * kWarps * kMmaK16 * k <= 5 * Kp) {
+        mt = m, ks = k, kq = kWarps * kMmaK16 * k;
+        return;
+      }
+  }
+};
+// Its shared memory: h_{t-1} in fp16 ([b][ldh], ldh = kq + 32 halves: the two samples of a quarter warp's
+// 16-byte loads then fall on distinct banks), the warps' sums ([warp][b][ldp], as the TF32 forward's),
+// the rows' scales, the lengths.
+struct GridHalfFwdSmem {
+  int ldh, ldp, h, part, scale, lens, total;
+  __host__ __device__ GridHalfFwdSmem(const Geometry& g, const GridHalfFwdShape& sh) {
+    const int bsp = round_up(g.bs, 8);
+    ldh = sh.kq + 32, ldp = 16 * sh.mt + 4;
+    int off = 0;
+    h = off, off += round_up(bsp * ldh * 2, 16);
+    part = off, off += round_up(kWarps * bsp * ldp * 4, 16);
+    scale = off, off += 16 * sh.mt * 4;
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+// Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves.
+inline int64_t grid_half_exchange(const Geometry& g, int groups) {
+  return static_cast<int64_t>(groups) * g.bs * round_up(g.H, 8);
+}
+
 // The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);
 const void* grid_backward_tf32_kernel(Cell c, int ntw);
+const void* grid_forward_half_kernel(Cell c, int mt, int ks);  // rnn_grid_forward_half.cu
 
 #if defined(__CUDACC__)
 
@@ -127,6 +172,21 @@ __device__ __forceinline__ void ldsm_tf32_a(uint32_t (&a)[4], const float* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(smem_u32(p)));
+}
+
+// d += a * b in fp16 (m16n8k16, fp32 sums): a the 16 x 16 A (a0, a1: slots 2t, 2t + 1 of rows g, g + 8;
+// a2, a3: slots 2t + 8, 2t + 9), b its 16 x 8 B (b0: slots 2t, 2t + 1 of column g; b1: 2t + 8, 2t + 9),
+// each register two halves, the lower slot in the low half; d as mma_tf32's.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // Whether any of samples n0 .. n0 + 7 runs at step s (the same answer in every lane).
@@ -232,6 +292,127 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
 #pragma unroll
     for (int q = 0; q < kWarps; ++q) v += part_s[(q * bsp + b) * ldp + k * hs + j];
     return v;
+  });
+#endif
+}
+
+// The forward with W_hh in 16 bits (GridHalfFwdShape). k is permuted as in the TF32 forward, by pairs of
+// k16-steps (32 columns from c0): lane (g, t) holds slots 2t, 2t + 1, 2t + 8, 2t + 9 of k16-step 2p as
+// columns c0 + 8t .. c0 + 8t + 3 and those of k16-step 2p + 1 as c0 + 8t + 4 .. + 7, so one 16-byte load
+// of its sample's h gives it the B operands of both.
+template <Cell C, int MT, int KS>
+__global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(const ForwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kWarps == 8 && KS % 2 == 0, "a warp stages one sample of each tile of 8; k16-steps in pairs");
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, KW = kMmaK16 * KS, ROWS = 16 * MT;  // KW: the warp's columns
+  const Geometry& g = a.g;
+  const int H = g.H, hs = g.hs, R = G * hs, Kx = round_up(H, 8);
+  const Block blk(g);
+  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
+  const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GridHalfFwdSmem lay(g, GridHalfFwdShape(G, H, hs));
+  const int ldh = lay.ldh, ldp = lay.ldp;
+  __half* h_s = reinterpret_cast<__half*>(smem + lay.h);
+  float* part_s = reinterpret_cast<float*>(smem + lay.part);
+  float* scale_s = reinterpret_cast<float*>(smem + lay.scale);
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+
+  // Row r's weights as read from W_hh (zero for the padding rows), and its scale: 2^(e - 15) for its
+  // largest |w| = m 2^e, m in [0.5, 1) (1 for a row of zeros, or of an infinity: that stays infinite).
+  auto row_of = [&](int r, bool& real) {
+    const int k = r / hs, j = r - k * hs;
+    real = r < R && j < blk.hv;
+    return a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
+  };
+  for (int r = warp; r < ROWS; r += kWarps) {
+    bool real;
+    const float* src = row_of(r, real);
+    float m = 0.0f;
+    if (real)
+      for (int c = lane; c < H; c += 32) m = fmaxf(m, fabsf(src[c]));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    int e = 0;
+    frexpf(m, &e);
+    if (lane == 0) scale_s[r] = m > 0.0f && isfinite(m) ? ldexpf(1.0f, max(e - 15, -126)) : 1.0f;  // a normal float
+  }
+  __syncthreads();
+  // A fragments: w[m][k][i] of rows 16m + gr (+ 8), k16-step k of this warp's columns (permuted as above),
+  // the weights divided by their row's scale (exactly: a power of 2) and rounded to fp16.
+  uint32_t w[MT][KS][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * m + gr + 8 * half;
+      bool real;
+      const float* src = row_of(row, real);
+      const float inv = 1.0f / scale_s[row];
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int c = warp * KW + 32 * (ks / 2) + 8 * t + 4 * (ks % 2);
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = real && c + e < H ? src[c + e] * inv : 0.0f;
+        w[m][ks][half] = half2_bits(v[0], v[1]), w[m][ks][2 + half] = half2_bits(v[2], v[3]);
+      }
+    }
+  load_lengths(lens, a.lengths, g, blk);
+  for (int e = tid; e < bsp * ldh; e += kThreads) h_s[e] = __float2half_rn(0.0f);  // padding stays 0
+  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
+
+  auto products = [&](int s, const __half* in) {
+    // Each tile of 8 samples its own cp.async group, a warp per sample, as the TF32 forward.
+    for (int n = 0; n < tiles; ++n) {
+      const int b = 8 * n + warp;
+      if (b < bv && s < lens[b]) {
+        const __half* src = in + static_cast<int64_t>(b) * Kx;
+        for (int k8 = lane; k8 < Kx / 8; k8 += 32) cp_async16(h_s + b * ldh + 8 * k8, src + 8 * k8);
+      }
+      cp_async_commit();
+    }
+    VLSEQ_MARK(0, 1, s);
+    for (int n = 0; n < tiles; ++n) {
+      switch (min(tiles - 1 - n, 3)) {  // tile n's group done: at most tiles - 1 - n still in flight
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        default: cp_async_wait<3>(); break;
+      }
+      __syncthreads();
+      if (!tile_runs(lens, 8 * n, bv, s)) continue;
+      float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+      const __half* hb = h_s + (8 * n + gr) * ldh + warp * KW + 8 * t;
+#pragma unroll
+      for (int p = 0; p < KS / 2; ++p) {
+        const uint4 x = *reinterpret_cast<const uint4*>(hb + 32 * p);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma_f16(acc[m], w[m][2 * p], x.x, x.y);
+          mma_f16(acc[m], w[m][2 * p + 1], x.z, x.w);
+        }
+      }
+      // C: rows 16m + gr (+ 8), samples 8n + 2t (+ 1); this warp's sums of them to part_s.
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          part_s[(warp * bsp + 8 * n + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][e];
+    }
+    VLSEQ_MARK(0, 2, s);
+    __syncthreads();
+  };
+  grid_forward_steps<C, kGridRegItems, false, __half>(a, blk, lens, bar, products, [&](int b, int k, int j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kWarps; ++q) v += part_s[(q * bsp + b) * ldp + k * hs + j];
+    return v * scale_s[k * hs + j];
   });
 #endif
 }
@@ -359,6 +540,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   if (k == 8) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 8>);              \
   if (k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 12>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);
+// The 16-bit forward's for a cell and (m-tiles, k16-steps): 3 or 4; 6 or 8.
+#define VLSEQ_RNN_GRID_HALF_FWD_TABLE(NAME, KERNEL)                                    \
+  const void* NAME(Cell c, int mt, int k) {                                            \
+    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kLSTM) }       \
+    VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kGRU)                                  \
+  }
+#define VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, CELL)                                  \
+  if (mt == 3 && k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 6>); \
+  if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8>);           \
+  if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6>);            \
+  return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8>);
 // The backward's for a cell and owners a warp (1 or 2).
 #define VLSEQ_RNN_GRID_TF32_BWD_TABLE(NAME, KERNEL)                                               \
   const void* NAME(Cell c, int ntw) {                                                             \
