@@ -420,24 +420,30 @@ TF32_OP_TOL = 2e-3
 HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
 TF32_BOTH = ("TF32 products on the tensor cores (forward and backward)",)
 HALF_TF32 = (HALF_FORWARD, "TF32 products on the tensor cores (backward)")
+HALF_BOTH = HALF_TF32 + ("W_hh in 16 bits (backward)",)
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
 @pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
-    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128
-    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
-    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
-    # the backward's second m-tile of samples: all of them ended after a few steps
-    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True, "grid 64 blocks x 2",
-     HALF_TF32, 0),
+    # W_hh in 16 bits both ways, on 2 groups of 64 blocks
+    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_BOTH, 0),
+    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_BOTH, 0),
+    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128, its second m-tile of
+    # samples: all of them ended after a few steps
+    ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True,
+     "grid 64 blocks x 2 groups, 16 units and 10 samples per block, W_hh and h in 16 bits, fp16 products on the tensor "
+     "cores (forward), shared memory 67 KiB; backward: grid 128 blocks x 1", HALF_TF32, 0),
     # 126 blocks of units rounded up to 128 for the backward (two hold none); the last one unit, padding
-    # columns; the forward's last block 9 units of 16
-    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 63 blocks x 2", HALF_TF32, 0),
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 63 blocks x 2", HALF_TF32, 0),
+    # columns; the forward in one group (fewer than 8 samples in each of two), 3 m-tiles, its last block 2
+    # units of 9
+    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 112 blocks x 1 groups, 9 units", HALF_TF32, 0),
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 91 blocks x 1 groups, 11 units", HALF_TF32, 0),
     # 64 blocks: 8 row groups, one owner a warp; no 16-bit forward below hidden 615
     ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid 64 blocks x 1", TF32_BOTH, 64),
-    # fewer than 8 or more than 32 samples a group: the fp32 register backward (126 blocks, 40 samples)
-    ("lstm", 1001, [30, 4, 17], True, "grid 63 blocks x 2", (HALF_FORWARD, "W_hh in registers (backward)"), 0),
+    # fewer than 8 or more than 32 samples a group: the fp32 register backward (126 blocks, 40 samples);
+    # fewer than 8 samples: the TF32 forward
+    ("lstm", 1001, [30, 4, 17], True, "grid 126 blocks x 1", ("TF32 products on the tensor cores (forward)",
+                                                              "W_hh in registers (forward and backward)"), 0),
     ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2, 16 units and 20 samples",
      (HALF_FORWARD, "W_hh in registers (backward)"), 0),
 ])
@@ -450,28 +456,35 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
 
 
-def test_op_forward_in_16_bits_scales_each_row(rand):
-    """The 16-bit forward scales each row of W_hh by a power of 2 of its own: rows of weights past fp16's
-    range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
-    normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
-    ones. The huge rows' gates get inputs of 1e8, so that they saturate whatever the products' rounding
-    (near zero a rounding of the huge products could flip them). Every output of both ops against the CPU
-    kernels within TF32_OP_TOL."""
-    lens = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17]
-    plan = ops.rnn_plan("lstm", 1024, len(lens), "tf32", DEV)
-    assert plan.startswith("grid 64 blocks x 2") and HALF_FORWARD in plan, plan
+def test_ops_in_16_bits_scale_each_row_and_column(rand):
+    """W_hh in 16 bits takes a power-of-2 scale per row in the forward and per column (of a row group) in
+    the backward: rows of weights past fp16's range (up to ~4e5: unscaled they would be infinite, and
+    their sums NaN), rows of ~1e-7 (below its normal range), of ~1e-36 (whose scale would be below fp32's
+    normal range) and of zeros, and huge columns, beside ordinary ones. The huge rows' gates get inputs of
+    1e8 and saturate whatever the products' rounding (near zero a rounding of the huge products could flip
+    them); the huge columns' units have their output gate shut (input -1e8) and h0 = 0, so their h stays 0
+    and only the backward sees those columns (dh0 ~1e5). Every output of both ops against the CPU kernels
+    within TF32_OP_TOL."""
+    H, cols = 1024, [2, 100, 513, 1000]  # units whose output gate's row is not one of the huge rows
+    plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
+    assert plan.startswith("grid 64 blocks x 2") and all(k in plan for k in HALF_BOTH), plan
 
-    def rows_apart(xp, w, b):
-        huge = torch.arange(0, 4 * 1024, 7)
+    def rows_and_columns_apart(xp, w, b, h0):
+        huge = torch.arange(0, 4 * H, 7)
+        assert not set((3 * H + torch.tensor(cols)).tolist()) & set(huge.tolist())
         w[huge] *= 4e6
         xp[..., huge] = 1e8
         w[3::11] *= 4e-6
         w[5::13] *= 1e-34
         w[6::17] = 0
+        w[:, cols] *= 4e6
+        xp[..., [3 * H + c for c in cols]] = -1e8
+        h0[:, cols] = 0
         assert w.abs().max() > 65504 and w.isfinite().all()
-        return xp, w, b
+        return xp, w, b, h0
 
-    compare_ops_with_cpu(rand, "lstm", lens, 30, 1024, False, weights="tf32", tol=TF32_OP_TOL, adjust=rows_apart)
+    compare_ops_with_cpu(rand, "lstm", LENS32, 30, H, False, weights="tf32", tol=TF32_OP_TOL,
+                         adjust=rows_and_columns_apart)
 
 
 def test_op_grid_layout_tf32_in_two_groups(rand):
@@ -558,13 +571,13 @@ def test_bf16_autocast_tolerance(rand):
 
 def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5, adjust=None):
     """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm);
-    adjust(xproj, W_hh, b_hh) -> the three: changes to the random inputs."""
+    adjust(xproj, W_hh, b_hh, h0) -> the four: changes to the random inputs."""
     B, G = len(lens), 4 if cell == "lstm" else 3
     xp = rand.randn(B, T, G * H)
     w, b = rand.randn(G * H, H, scale=0.8 / H ** 0.5), rand.randn(G * H, scale=0.1)
-    if adjust is not None:
-        xp, w, b = adjust(xp, w, b)
     h0 = rand.randn(B, H)
+    if adjust is not None:
+        xp, w, b, h0 = adjust(xp, w, b, h0)
     c0 = rand.randn(B, H) if cell == "lstm" else None
     dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)
     dc_n = rand.randn(B, H) if cell == "lstm" else None
