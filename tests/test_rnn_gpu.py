@@ -420,16 +420,14 @@ TF32_OP_TOL = 2e-3
 HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
 TF32_BOTH = ("TF32 products on the tensor cores (forward and backward)",)
 HALF_TF32 = (HALF_FORWARD, "TF32 products on the tensor cores (backward)")
-HALF_BOTH = HALF_TF32 + ("W_hh in 16 bits (backward)",)
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
 @pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
-    # W_hh in 16 bits both ways, on 2 groups of 64 blocks
-    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_BOTH, 0),
-    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_BOTH, 0),
-    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128, its second m-tile of
-    # samples: all of them ended after a few steps
+    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128
+    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
+    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
+    # the backward's second m-tile of samples: all of them ended after a few steps
     ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True,
      "grid 64 blocks x 2 groups, 16 units and 10 samples per block, W_hh and h in 16 bits, fp16 products on the tensor "
      "cores (forward), shared memory 67 KiB; backward: grid 128 blocks x 1", HALF_TF32, 0),
@@ -444,7 +442,7 @@ LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
     # fewer than 8 samples: the TF32 forward
     ("lstm", 1001, [30, 4, 17], True, "grid 126 blocks x 1", ("TF32 products on the tensor cores (forward)",
                                                               "W_hh in registers (forward and backward)"), 0),
-    ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2, 16 units and 20 samples",
+    ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2 groups, 16 units and 20 samples",
      (HALF_FORWARD, "W_hh in registers (backward)"), 0),
 ])
 def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_blocks):
@@ -456,18 +454,18 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
 
 
-def test_ops_in_16_bits_scale_each_row_and_column(rand):
-    """W_hh in 16 bits takes a power-of-2 scale per row in the forward and per column (of a row group) in
-    the backward: rows of weights past fp16's range (up to ~4e5: unscaled they would be infinite, and
-    their sums NaN), rows of ~1e-7 (below its normal range), of ~1e-36 (whose scale would be below fp32's
-    normal range) and of zeros, and huge columns, beside ordinary ones. The huge rows' gates get inputs of
-    1e8 and saturate whatever the products' rounding (near zero a rounding of the huge products could flip
-    them); the huge columns' units have their output gate shut (input -1e8) and h0 = 0, so their h stays 0
-    and only the backward sees those columns (dh0 ~1e5). Every output of both ops against the CPU kernels
-    within TF32_OP_TOL."""
+def test_op_forward_in_16_bits_scales_each_row(rand):
+    """The 16-bit forward scales each row of W_hh by a power of 2 of its own: rows of weights past fp16's
+    range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
+    normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
+    ones; and huge columns, so that every row's largest weight is ~1e6 times its others (which keep their
+    11 bits). The huge rows' gates get inputs of 1e8 and saturate whatever the products' rounding (near
+    zero a rounding of the huge products could flip them); the huge columns' units have their output gate
+    shut (input -1e8) and h0 = 0, so their h stays 0 and only the backward multiplies by those columns (dh0
+    ~1e5). Every output of both ops against the CPU kernels within TF32_OP_TOL."""
     H, cols = 1024, [2, 100, 513, 1000]  # units whose output gate's row is not one of the huge rows
     plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
-    assert plan.startswith("grid 64 blocks x 2") and all(k in plan for k in HALF_BOTH), plan
+    assert plan.startswith("grid 64 blocks x 2") and all(k in plan for k in HALF_TF32), plan
 
     def rows_and_columns_apart(xp, w, b, h0):
         huge = torch.arange(0, 4 * H, 7)

@@ -174,8 +174,7 @@ int main(int argc, char** argv) {
     }
     const GridTf32BwdShape btsh(G, hs, nc, B);
     if (regs_pairs && btsh.ntw > 0) {
-      printf(" TF32 on the tensor cores (row groups of %d blocks, %d owners a warp%s):\n", kTf32RowGroup, btsh.ntw,
-             btsh.half ? ", W_hh in 16 bits" : "");
+      printf(" TF32 on the tensor cores (row groups of %d blocks, %d owners a warp):\n", kTf32RowGroup, btsh.ntw);
       float* tx;
       const size_t bytes = grid_tf32_exchange(g, groups, btsh) * 4;
       cudaMalloc(&tx, bytes);
@@ -184,7 +183,7 @@ int main(int argc, char** argv) {
       cudaMalloc(&counters, grid_tf32_counters(groups, btsh) * 4);
       cudaMemset(counters, 0, grid_tf32_counters(groups, btsh) * 4);
       ba.xchg = tx, ba.arrivals = counters;
-      launch(grid_backward_tf32_kernel(cell, btsh.ntw, hs), ba, blocks, nc, GridTf32BwdSmem(g, G, btsh).total, true);
+      launch(grid_backward_tf32_kernel(cell, btsh.ntw), ba, blocks, nc, GridTf32BwdSmem(g, G, btsh).total, true);
       report(1, 6, T, gb);
     }
     return 0;

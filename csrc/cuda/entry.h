@@ -46,8 +46,8 @@ struct LaunchPlan {
   // Grid, weights tf32: the products on the tensor cores (rnn_grid_tf32_kernels.cuh; then fused is set
   // too: W_hh is in registers).
   bool tf32 = false;
-  // Grid, weights tf32: W_hh in 16 bits (fused is set too). The forward: h in 16 bits too, fp16 MMAs
-  // (rnn_forward_grid_half_kernel); the backward: TF32 MMAs (rnn_backward_grid_tf32_kernel, 16 units a block).
+  // Grid forward, weights tf32: W_hh and h in 16 bits, fp16 MMAs (rnn_forward_grid_half_kernel; fused is
+  // set too).
   bool half = false;
   bool same_layout(const LaunchPlan& o) const {
     return sync == o.sync && nc == o.nc && hs == o.hs && bs == o.bs && groups == o.groups;

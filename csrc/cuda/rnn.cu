@@ -136,15 +136,6 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
 // over one of 128.
-// The TF32 backward: a warp's MMAs (2 m-tiles x its n-tiles x rows / 8 k-steps, ~8 clocks each as the
-// forward's; in 16 bits one m-tile, at most 16 samples) or a block's bytes (its row group's gate gradients,
-// partials out and in) at ~42 a clock, whichever bounds; ~2,000 for the row group's barrier, ~2,500 for
-// the cell and the barrier.
-double tf32_backward_clocks(const GridTf32BwdShape& sh, int hs, int bs) {
-  const double mmas = 8.0 * (sh.half ? 1.0 : 2.0) * sh.ntw * (hs / 8) * sh.rows / 8.0;
-  const double bytes = (sh.rows + 2.0 * sh.P * hs) * bs * 4.0;
-  return std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0;
-}
 struct GridClocks {
   double forward = 0, backward = 0;
 };
@@ -160,7 +151,13 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
   const double forward = ftf32   ? 8.0 * ftf32->mt * ftf32->ks * tiles
                          : fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0
                                  : products;
-  if (btf32) return {std::max(forward, l2) + 2500.0, tf32_backward_clocks(*btf32, hs, bs)};
+  if (btf32) {  // a warp's MMAs (2 m-tiles x ntw owners x rows / 8 k-steps, ~8 clocks each as the
+                // forward's) or a block's bytes (its row group's gate gradients, partials out and in) at
+                // ~42 a clock, whichever bounds
+    const double mmas = 8.0 * 2.0 * btf32->ntw * btf32->rows / 8.0;
+    const double bytes = (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0;
+    return {std::max(forward, l2) + 2500.0, std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0};
+  }
   const double backward = regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
                                : products;
   return {std::max(forward, l2) + 2500.0, backward + l2 + 2500.0};
@@ -317,30 +314,6 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
   }
 }
 
-// The TF32 backward with W_hh in 16 bits (GridTf32BwdShape: 16 units a block, whole row groups of 8
-// blocks) on a layout of its own, where its estimate beats `clocks`, the chosen backward's: as many
-// groups as the SMs hold with 8-16 samples each.
-void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& backward,
-                        double clocks) {
-  constexpr int hs = 16;
-  const int G = num_gates(cell), nc = round_up(ceil_div(H, hs), kTf32RowGroup);
-  if (nc > sms || nc <= kMaxCluster || B < kTf32BwdMinSamples) return;
-  const int bs = ceil_div(B, std::min(sms / nc, B / kTf32BwdMinSamples)), groups = ceil_div(B, bs);
-  const GridTf32BwdShape sh(G, hs, nc, bs);
-  if (sh.ntw == 0) return;
-  const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
-  const int64_t smem = GridTf32BwdSmem(g, G, sh).total;
-  if (smem > static_cast<int64_t>(p.sharedMemPerBlockOptin)) return;
-  const void* kernel = grid_backward_tf32_kernel(cell, sh.ntw, hs);
-  prepare(kernel, device, p.sharedMemPerBlockOptin);
-  if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) return;
-  if (tf32_backward_clocks(sh, hs, bs) >= clocks) return;
-  LaunchPlan l;
-  l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = 8;
-  l.fused = l.tf32 = l.half = true, l.smem = smem;
-  backward = l;
-}
-
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
@@ -350,7 +323,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
   const bool tf32 = precision == Weights::kTF32;
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-  double best_clocks = 0, forward_clocks = 0, backward_clocks = 0;
+  double best_clocks = 0, forward_clocks = 0;
   for (int hs = 4; hs < Kp; hs += 4) {
     const int units_nc = ceil_div(H, hs);
     if (units_nc > sms) continue;
@@ -392,7 +365,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
                        : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
                                : grid_forward_kernel(cell, w, bt);
-      const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw, hs)
+      const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw)
                        : regs ? grid_backward_regs_kernel(cell, sh.nr)
                               : grid_backward_kernel(cell, w, bt);
       prepare(fk, device, p.sharedMemPerBlockOptin);
@@ -403,7 +376,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
                                          ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
       const double clocks = est.forward + est.backward;
       if (best.ok && clocks >= best_clocks) continue;
-      best_clocks = clocks, forward_clocks = est.forward, backward_clocks = est.backward;
+      best_clocks = clocks, forward_clocks = est.forward;
       LaunchPlan l;  // both directions: one layout, each its kernel
       l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = g.chunk, l.groups = groups;
       l.bt = bt;
@@ -413,10 +386,7 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
       best.backward.fused = regs || btf32, best.backward.tf32 = btf32, best.backward.smem = bwd;
     }
   }
-  if (best.ok && tf32) {
-    half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
-    half_backward_plan(cell, H, B, sms, p, device, best.backward, backward_clocks);
-  }
+  if (best.ok && tf32) half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
 }
 
 Geometry geometry(const LaunchPlan& plan, const Sizes& z, bool reverse) {
@@ -440,7 +410,7 @@ GridTf32BwdShape tf32_backward_shape(const LaunchPlan& plan, const Sizes& z) {
   return GridTf32BwdShape(num_gates(z.cell), plan.hs, plan.nc, plan.bs);
 }
 const void* tf32_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
-  return grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).ntw, plan.hs);
+  return grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).ntw);
 }
 
 template <typename Args>
@@ -490,13 +460,11 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
   auto which = [](bool fwd, bool bwd) {
     return std::string(" (") + (fwd ? "forward" : "") + (fwd && bwd ? " and " : "") + (bwd ? "backward" : "") + ")";
   };
-  const bool fhalf = f && f->half, bhalf = b && b->half;
-  const bool fregs = f && f->fused && !fhalf, bregs = b && b->fused && !bhalf;
+  const bool half = f && f->half, fregs = f && f->fused && !half, bregs = b && b->fused;
   const bool ftf32 = f && f->tf32, btf32 = b && b->tf32;
   std::string s = f && !f->fused ? ", h staged " + std::to_string(f->chunk) + " columns at a time" : "";
   if (fregs || bregs) s += ", W_hh in registers" + which(fregs, bregs);
-  if (fhalf) s += ", W_hh and h in 16 bits, fp16 products on the tensor cores (forward)";
-  if (bhalf) s += ", W_hh in 16 bits (backward)";
+  if (half) s += ", W_hh and h in 16 bits, fp16 products on the tensor cores (forward)";
   if (ftf32 || btf32) s += ", TF32 products on the tensor cores" + which(ftf32, btf32);
   return s;
 }

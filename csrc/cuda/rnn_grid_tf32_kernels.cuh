@@ -68,21 +68,13 @@ struct GridTf32FwdSmem {
 // past H hold no units). Its step costs ~9.9 K clocks + ~0.2 K a sample at LSTM 1024 on 128 blocks,
 // the fp32 register backward's ~5.9 K + ~0.7 K (BENCHMARKS.md, fourteenth session): it runs from 8
 // samples a group on.
-//
-// With W_hh in 16 bits (hs = 16, `half`: LSTM 1024 on 64 blocks, half the GPU, in two groups of 16 samples
-// at 32), a warp holds one owner's 16 units (two n-tiles) over the row group's 512 rows as fp16 pairs in
-// 128 registers, each column scaled by a power of 2 of its own (as the 16-bit forward's rows, rnn_forward_
-// grid_half_kernel) and converted to TF32 at each use (exactly: fp16 has TF32's 11 significant bits); the
-// column's scale multiplies the partial sums. One (sample, unit) pair a thread: at most 16 samples a group.
 constexpr int kTf32RowGroup = 8, kTf32BwdMinSamples = 8;
 struct GridTf32BwdShape {
   int ntw = 0, P = 0, rows = 0;  // ntw = 0: no kernel fits
-  bool half = false;
   __host__ __device__ GridTf32BwdShape(int G, int hs, int nc, int bs) {
     const int P_ = nc / kTf32RowGroup, n = ceil_div(P_, kWarps);
-    if (nc % kTf32RowGroup != 0 || bs < kTf32BwdMinSamples || n > 2) return;
-    if (hs == 16 ? n > 1 || bs * hs > kThreads : hs != 8 || bs > 32) return;
-    ntw = n, P = P_, rows = G * kTf32RowGroup * hs, half = hs == 16;
+    if (hs != 8 || nc % kTf32RowGroup != 0 || bs < kTf32BwdMinSamples || bs > 32 || n > 2) return;
+    ntw = n, P = P_, rows = G * kTf32RowGroup * hs;
   }
 };
 // Its shared memory: the owner's (dg: the cells' gate gradients, red: sums, stage: the gathered
@@ -151,7 +143,7 @@ inline int64_t grid_half_exchange(const Geometry& g, int groups) {
 
 // The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);
-const void* grid_backward_tf32_kernel(Cell c, int ntw, int hs);
+const void* grid_backward_tf32_kernel(Cell c, int ntw);
 const void* grid_forward_half_kernel(Cell c, int mt, int ks);  // rnn_grid_forward_half.cu
 
 #if defined(__CUDACC__)
@@ -191,15 +183,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// The two halves of v as floats (exact), which a TF32 MMA reads as they are (fp16 has TF32's 11 significant
-// bits). volatile: in program order with the MMAs (asm volatile too), so that the compiler converts each
-// pair where it is used instead of hoisting the conversions of many k-steps (their registers spilled).
-__device__ __forceinline__ void half2_to_tf32(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  asm volatile(
-      "{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
 }
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
@@ -434,16 +417,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
 #endif
 }
 
-template <Cell C, int NTW, int HS>
+template <Cell C, int NTW>
 __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int G = C == Cell::kLSTM ? 4 : 3, Q = kTf32RowGroup, ROWS = G * Q * HS, KS = ROWS / 8, LDR = ROWS + 4;
-  constexpr bool kHalf = HS == 16;  // W_hh in 16 bits (GridTf32BwdShape)
-  constexpr int NU = HS / 8, NT = NTW * NU;  // n-tiles of 8 units: an owner's, a warp's
-  static_assert(HS == 8 || (HS == 16 && NTW == 1), "8 units an owner in TF32, 16 in 16 bits");
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, Q = kTf32RowGroup, ROWS = G * Q * 8, KS = ROWS / 8, LDR = ROWS + 4;
   const Geometry& g = a.g;
-  const int H = g.H, ldg = G * HS;
-  const GridTf32BwdShape sh(G, HS, g.nc, g.bs);
+  const int H = g.H, ldg = G * 8;
+  const GridTf32BwdShape sh(G, 8, g.nc, g.bs);
   const int P = sh.P;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
@@ -451,54 +431,26 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridTf32BwdSmem lay(g, G, sh);
-  float* dg_s = reinterpret_cast<float*>(smem + lay.own.dg);  // [b][ldg]: gate k of unit j at k * HS + j
+  float* dg_s = reinterpret_cast<float*>(smem + lay.own.dg);  // [b][ldg]: gate k of unit j at k * 8 + j
   float4* red_s = reinterpret_cast<float4*>(smem + lay.own.red);
   float4* stage_s = reinterpret_cast<float4*>(smem + lay.own.stage);
   int* lens = reinterpret_cast<int*>(smem + lay.own.lens);
-  float* gg_s = reinterpret_cast<float*>(smem + lay.gg);  // [b][LDR]: row k * Q * HS + member * HS + j
+  float* gg_s = reinterpret_cast<float*>(smem + lay.gg);  // [b][LDR]: row k * Q * 8 + member * 8 + j
 
-  // B fragments: for the row group's rows 8 ks + t + 4i (gate k, unit p * Q * HS + u) and n-tile n's unit
-  // gr of owner o = (warp + 8 (n / NU)) * Q + q (its units 8 (n % NU) ..; zero past H or nc): W_hh[row][unit]
-  // as TF32 (w[n][ks][i]) or, in 16 bits, divided by its column's scale, the pair in one register (w[n][ks][0]).
-  auto owner_of = [&](int n) { return (warp + kWarps * (n / NU)) * Q + q; };
-  uint32_t w[NT][KS][kHalf ? 1 : 2];
-  float col_scale[NT][2];  // 16 bits: the scales of the columns this lane's C fragments hold (units 2t, 2t + 1)
+  // B fragments: w[n][ks][i] = W_hh[row][unit] for the row group's row 8 ks + t + 4i (gate k, unit p * Q
+  // * 8 + u) and unit 8 o + gr of owner o = (warp + 8n) * Q + q (zero past H or nc).
+  uint32_t w[NTW][KS][2];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int owner = owner_of(n), col = HS * owner + 8 * (n % NU) + gr;
-    auto at = [&](int r) {  // W_hh[row r][col], null past H or nc
-      const int k = r / (Q * HS), unit = p * Q * HS + r % (Q * HS);
-      return owner < g.nc && col < H && unit < H ? a.w_hh + static_cast<int64_t>(k * H + unit) * H + col : nullptr;
-    };
-    auto weight = [&](int r) {
-      const float* w = at(r);
-      return w ? *w : 0.0f;
-    };
-    if constexpr (kHalf) {
-      // Column gr's scale: 2^(e - 15) for its largest |w| over the row group's rows (held by the 4 lanes t).
-      // Its loads are __ldcg: the packing's below must not reuse them (256 values live at once spilled).
-      float m = 0.0f;
-#pragma unroll 1
-      for (int r = t; r < ROWS; r += 4) {
-        const float* w = at(r);
-        if (w) m = fmaxf(m, fabsf(__ldcg(w)));
+  for (int n = 0; n < NTW; ++n) {
+    const int owner = (warp + kWarps * n) * Q + q, col = 8 * owner + gr;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = 8 * ks + t + 4 * i, k = r / (Q * 8), unit = p * Q * 8 + r % (Q * 8);
+        const bool real = owner < g.nc && col < H && unit < H;
+        w[n][ks][i] = tf32_bits(real ? a.w_hh[static_cast<int64_t>(k * H + unit) * H + col] : 0.0f);
       }
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      int e = 0;
-      frexpf(m, &e);
-      const float scale = m > 0.0f && isfinite(m) ? ldexpf(1.0f, max(e - 15, -126)) : 1.0f, inv = 1.0f / scale;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) w[n][ks][0] = half2_bits(weight(8 * ks + t) * inv, weight(8 * ks + t + 4) * inv);
-      col_scale[n][0] = __shfl_sync(0xffffffffu, scale, 8 * t);  // the lanes of column 2t: 4 * 2t ..
-      col_scale[n][1] = __shfl_sync(0xffffffffu, scale, 8 * t + 4);
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) w[n][ks][i] = tf32_bits(weight(8 * ks + t + 4 * i));
-      col_scale[n][0] = col_scale[n][1] = 1.0f;
-    }
   }
   for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
   load_lengths(lens, a.lengths, g, blk);
@@ -514,18 +466,17 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   auto gather = [&](int parity, int s_next) {
     gather_owned_partials(owned_region(a, blk, parity, blk.rank, P), lens, s_next, bv, P, g, stage_s, red_s);
   };
-  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * HS + j]; };
+  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * 8 + j]; };
   // Lanes 8j .. 8j + 7 give ldmatrix the rows of block j (rows + 8, k + 4) in every k-step.
   const float* const lane_a = gg_s + (8 * ((lane / 8) & 1) + lane % 8) * LDR + 4 * (lane / 16);
   auto products = [&](int cur, int s) {
     // This block's gate gradients of the samples running at s to its row group, a float4 a thread.
-    constexpr int U4 = HS / 4;
     float* rg = row_group(cur);
-    for (int e = tid; e < bv * U4 * G; e += kThreads) {
-      const int b = e / (U4 * G), r = e - b * U4 * G, k = r / U4, h = r - k * U4;
+    for (int e = tid; e < bv * 2 * G; e += kThreads) {
+      const int b = e / (2 * G), r = e - b * 2 * G, k = r / 2, h = r - 2 * k;
       if (s >= lens[b] || blk.j0 + 4 * h >= H) continue;
-      __stcg(reinterpret_cast<float4*>(rg + b * ROWS + k * Q * HS + q * HS + 4 * h),
-             *reinterpret_cast<const float4*>(dg_s + b * ldg + k * HS + 4 * h));
+      __stcg(reinterpret_cast<float4*>(rg + b * ROWS + k * Q * 8 + q * 8 + 4 * h),
+             *reinterpret_cast<const float4*>(dg_s + b * ldg + k * 8 + 4 * h));
     }
     row_bar.arrive();
     row_bar.wait();
@@ -538,51 +489,40 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
     cp_async_wait<0>();
     __syncthreads();
     const unsigned run = __ballot_sync(0xffffffffu, lane < bv && s < lens[lane]);  // bit b: sample b runs
-    constexpr int MT = kHalf ? 1 : 2;  // m-tiles of 16 samples
-    float acc[MT][NT][4];
+    float acc[2][NTW][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+      for (int n = 0; n < NTW; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      uint32_t b0[NT], b1[NT];
+    for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if constexpr (kHalf) {
-          half2_to_tf32(w[n][ks][0], b0[n], b1[n]);
-        } else {
-          b0[n] = w[n][ks][0], b1[n] = w[n][ks][1];
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
+      for (int m = 0; m < 2; ++m) {
         if (((run >> (16 * m)) & 0xffffu) == 0) continue;
         uint32_t x[4];
         ldsm_tf32_a(x, lane_a + 16 * m * LDR + 8 * ks);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) mma_tf32(acc[m][n], x[0], x[1], x[2], x[3], b0[n], b1[n]);
+        for (int n = 0; n < NTW; ++n) mma_tf32(acc[m][n], x[0], x[1], x[2], x[3], w[n][ks][0], w[n][ks][1]);
       }
-    }
-    // C: samples 16m + gr (+ 8), units 2t and 2t + 1 of n-tile n (owner n / NU's units 8 (n % NU) ..): to
-    // its region, source p (lanes t fill a 32-byte sector).
+    // C: samples 16m + gr (+ 8), units 2t and 2t + 1 of owner n's 8: to its region, source p (lanes t
+    // fill a 32-byte sector).
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int owner = owner_of(n);
+    for (int n = 0; n < NTW; ++n) {
+      const int owner = (warp + kWarps * n) * Q + q;
       if (owner >= g.nc) continue;
-      float* region = owned_region(a, blk, cur, owner, P) + p * HS + 8 * (n % NU) + 2 * t;
+      float* region = owned_region(a, blk, cur, owner, P) + p * 8 + 2 * t;
 #pragma unroll
-      for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int b = 16 * m + gr + 8 * h;
           if (b < bv && s < lens[b])
-            __stcg(reinterpret_cast<float2*>(region + static_cast<int64_t>(b) * P * HS),
-                   make_float2(acc[m][n][2 * h] * col_scale[n][0], acc[m][n][2 * h + 1] * col_scale[n][1]));
+            __stcg(reinterpret_cast<float2*>(region + static_cast<int64_t>(b) * P * 8),
+                   make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]));
         }
     }
   };
-  // One (sample, unit) pair a thread: at most 32 samples of 8 units, 16 of 16.
+  // One (sample, unit) pair a thread: at most 32 samples of 8 units.
   grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
 #endif
 }
@@ -611,16 +551,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8>);           \
   if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8>);
-// The backward's for a cell, owners a warp (1 or 2) and units an owner (8; 16: W_hh in 16 bits, one owner).
-#define VLSEQ_RNN_GRID_TF32_BWD_TABLE(NAME, KERNEL)                                   \
-  const void* NAME(Cell c, int ntw, int hs) {                                         \
-    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, Cell::kLSTM) }      \
-    VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, Cell::kGRU)                                 \
+// The backward's for a cell and owners a warp (1 or 2).
+#define VLSEQ_RNN_GRID_TF32_BWD_TABLE(NAME, KERNEL)                                               \
+  const void* NAME(Cell c, int ntw) {                                                             \
+    if (c == Cell::kLSTM) return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 1>) \
+                                          : reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 2>); \
+    return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 1>)                        \
+                    : reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 2>);                       \
   }
-#define VLSEQ_RNN_GRID_TF32_BWD_CASES(KERNEL, CELL)                          \
-  if (hs == 16) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 16>); \
-  if (ntw == 1) return reinterpret_cast<const void*>(&KERNEL<CELL, 1, 8>);  \
-  return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 8>);
 
 #endif  // __CUDACC__
 
