@@ -13,8 +13,8 @@
 // cores where a kernel has the shape, rnn_grid_tf32_kernels.cuh). The choice minimises a cost model of
 // one step (products, cell, exchange and barrier, in clocks) times the number of waves of groups that
 // do not fit on the GPU at once, for the forward and the backward launch each (in clusters they may
-// take different layouts; the grid layout is one for both); BENCHMARKS.md has what it picks and what
-// that measures.
+// take different layouts; on the grid one for both, but for the forward with W_hh in 16 bits, which takes
+// its own); BENCHMARKS.md has what it picks and what that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -566,7 +566,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid), local = plan.sync == static_cast<int>(Sync::kLocal);
   at::Tensor xchg, arrivals;
   if (grid) {
-    // Rows of round_up(H, 4) for 16-byte copies; the padding stays zero (nobody writes it).
+    // Rows of round_up(H, 4) floats (16-bit forward: round_up(H, 8) halves) for 16-byte copies; the padding
+    // stays zero (nobody writes it).
     xchg = at::zeros({plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups)
                                 : 2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)},
                      opts);
