@@ -195,6 +195,34 @@ __device__ __forceinline__ bool tile_runs(const int* lens, int n0, int bv, int s
   return __any_sync(0xffffffffu, lane < 8 && n0 + lane < bv && s < lens[n0 + lane]);
 }
 
+// The forwards' staging of h_{t-1}: the rows (`row` elements apart at `in`, `chunks` 16-byte chunks each) of
+// the samples running at s to h_s (rows ldh apart), each tile of 8 samples its own cp.async group, a warp per
+// sample: tile n's MMAs (after wait_tile) run while the later tiles' rows arrive.
+template <typename T>
+__device__ __forceinline__ void stage_tiles(const T* in, int row, int chunks, T* h_s, int ldh, const int* lens, int bv,
+                                            int s, int tiles) {
+  constexpr int E = 16 / sizeof(T);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int n = 0; n < tiles; ++n) {
+    const int b = 8 * n + warp;
+    if (b < bv && s < lens[b]) {
+      const T* src = in + static_cast<int64_t>(b) * row;
+      for (int k = lane; k < chunks; k += 32) cp_async16(h_s + b * ldh + E * k, src + E * k);
+    }
+    cp_async_commit();
+  }
+}
+// Tile n's rows staged, by every thread of the block (at most tiles - 1 - n groups still in flight).
+__device__ __forceinline__ void wait_tile(int n, int tiles) {
+  switch (min(tiles - 1 - n, 3)) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+  __syncthreads();
+}
+
 template <Cell C, int MT, int KS>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -242,25 +270,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
 
   auto products = [&](int s, const float* in) {
-    // Each tile of 8 samples its own cp.async group, a warp per sample: tile n's MMAs run while the
-    // later tiles' rows arrive.
-    for (int n = 0; n < tiles; ++n) {
-      const int b = 8 * n + warp;
-      if (b < bv && s < lens[b]) {
-        const float* src = in + static_cast<int64_t>(b) * Kp;
-        for (int k4 = lane; k4 < Kp / 4; k4 += 32) cp_async16(h_s + b * ldh + 4 * k4, src + 4 * k4);
-      }
-      cp_async_commit();
-    }
+    stage_tiles(in, Kp, Kp / 4, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      switch (min(tiles - 1 - n, 3)) {  // tile n's group done: at most tiles - 1 - n still in flight
-        case 0: cp_async_wait<0>(); break;
-        case 1: cp_async_wait<1>(); break;
-        case 2: cp_async_wait<2>(); break;
-        default: cp_async_wait<3>(); break;
-      }
-      __syncthreads();
+      wait_tile(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][2][4];  // two sums per m-tile (even and odd pairs of k-steps): twice the chains
 #pragma unroll
@@ -364,24 +377,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
 
   auto products = [&](int s, const __half* in) {
-    // Each tile of 8 samples its own cp.async group, a warp per sample, as the TF32 forward.
-    for (int n = 0; n < tiles; ++n) {
-      const int b = 8 * n + warp;
-      if (b < bv && s < lens[b]) {
-        const __half* src = in + static_cast<int64_t>(b) * Kx;
-        for (int k8 = lane; k8 < Kx / 8; k8 += 32) cp_async16(h_s + b * ldh + 8 * k8, src + 8 * k8);
-      }
-      cp_async_commit();
-    }
+    stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      switch (min(tiles - 1 - n, 3)) {  // tile n's group done: at most tiles - 1 - n still in flight
-        case 0: cp_async_wait<0>(); break;
-        case 1: cp_async_wait<1>(); break;
-        case 2: cp_async_wait<2>(); break;
-        default: cp_async_wait<3>(); break;
-      }
-      __syncthreads();
+      wait_tile(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
 #pragma unroll
