@@ -290,9 +290,10 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
 constexpr int kHalfFwdMinSamples = 8;
 void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& forward,
                        double clocks) {
+  if (B < kHalfFwdMinSamples) return;
   const int G = num_gates(cell);
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-  for (int hs = ceil_div(33, G); G * hs <= 64 && B >= kHalfFwdMinSamples; ++hs) {
+  for (int hs = ceil_div(33, G); G * hs <= 64; ++hs) {
     const GridHalfFwdShape sh(G, H, hs);
     const int nc = ceil_div(H, hs);
     if (sh.ks == 0 || nc > sms || nc <= kMaxCluster || ceil_div(H, nc) != hs) continue;
