@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(cons
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr int SP = NR >= 8 ? (32 / NR > 0 ? 32 / NR : 1) : 4;  // samples per pass: SP * NR sums, at most 32
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4);
+  const int H = g.H, hs = g.hs, Kp = round_up(H, 4);
   const GridFwdRegsShape sh(G, H, hs, NR, NM);
   const int kq = sh.kq, nwg = sh.nwg, ldp = sh.ng * NR;  // part_s: [wg][b][ldp]
   const Block blk(g);
@@ -409,15 +409,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(cons
   float4 w[NR][NM];  // rows grp * NR + i, columns 4 * (lane + 32 * (wg + nwg * m)) ..
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
-    const int row = grp * NR + i, k = row / hs, j = row - k * hs;
-    const bool real = row < R && j < blk.hv;
-    const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
+    const float* src = block_row(a.w_hh, G, g, blk, grp * NR + i);
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       const int c0 = 4 * (lane + 32 * (wg + nwg * m));
       float v[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = real && c0 + e < H ? src[c0 + e] : 0.0f;
+      for (int e = 0; e < 4; ++e) v[e] = src && c0 + e < H ? src[c0 + e] : 0.0f;
       w[i][m] = make_float4(v[0], v[1], v[2], v[3]);
     }
   }
@@ -502,11 +500,8 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
   const int cols = round_up(round_up(g.H, 4), kGridRows);
   for (int e = threadIdx.x; e < ldt * cols; e += kThreads) {
     const int r = e / cols, k = e - r * cols;
-    float v = 0.0f;
-    if (r < G * g.hs && k < g.H) {
-      const int q = r / g.hs, j = r - q * g.hs;
-      if (j < blk.hv) v = w_hh[static_cast<int64_t>(q * g.H + blk.j0 + j) * g.H + k];
-    }
+    const float* row = block_row(w_hh, G, g, blk, r);
+    const float v = row && k < g.H ? row[k] : 0.0f;
     const int chunk = (r / 4) ^ grid_swizzle(k / kGridRows, ks, sizeof(WT));
     wt[k * ldt + 4 * chunk + (r & 3)] = to_weight<WT>(v);
   }
@@ -820,7 +815,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs;
+  const int H = g.H, hs = g.hs;
   const GridRegsShape sh(G, H, hs);
   const int ldg = sh.ng * NR, nsrc = g.nc * sh.ng;
   const Block blk(g);
@@ -839,12 +834,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_regs_kernel(con
   float w[NR][4];  // w[r][c] = W_hh[row r of the group][4 * quad + c]
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
-    const int row = grp * NR + r, k = row / hs, j = row - k * hs;
-    const bool real = holder && row < R && j < blk.hv;
+    const float* src = holder ? block_row(a.w_hh, G, g, blk, grp * NR + r) : nullptr;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int u = 4 * quad + c;
-      w[r][c] = real && u < H ? a.w_hh[static_cast<int64_t>(k * H + blk.j0 + j) * H + u] : 0.0f;
+      w[r][c] = src && u < H ? src[u] : 0.0f;
     }
   }
   for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
   static_assert(kWarps == 8 && KS % 2 == 0, "a warp stages one sample of each tile of 8; k-steps in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, KW = kMmaK * KS;  // KW: the warp's columns
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kp = round_up(H, 4);
+  const int H = g.H, hs = g.hs, Kp = round_up(H, 4);
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
@@ -248,15 +248,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
     float v[2][KS][2];  // [row half][k-step][slot half]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = 16 * m + gr + 8 * half, k = row / hs, j = row - k * hs;
-      const bool real = row < R && j < blk.hv;
-      const float* src = a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
+      const float* src = block_row(a.w_hh, G, g, blk, 16 * m + gr + 8 * half);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = warp * KW + 16 * (ks / 2) + 4 * t + 2 * (ks % 2) + e;
-          v[half][ks][e] = real && c < H ? src[c] : 0.0f;
+          v[half][ks][e] = src && c < H ? src[c] : 0.0f;
         }
     }
 #pragma unroll
@@ -319,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
   static_assert(kWarps == 8 && KS % 2 == 0, "a warp stages one sample of each tile of 8; k16-steps in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, KW = kMmaK16 * KS, ROWS = 16 * MT;  // KW: the warp's columns
   const Geometry& g = a.g;
-  const int H = g.H, hs = g.hs, R = G * hs, Kx = round_up(H, 8);
+  const int H = g.H, hs = g.hs, Kx = round_up(H, 8);
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
@@ -332,18 +330,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
   float* scale_s = reinterpret_cast<float*>(smem + lay.scale);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
-  // Row r's weights as read from W_hh (zero for the padding rows), and its scale: 2^(e - 15) for its
-  // largest |w| = m 2^e, m in [0.5, 1) (1 for a row of zeros, or of an infinity: that stays infinite).
-  auto row_of = [&](int r, bool& real) {
-    const int k = r / hs, j = r - k * hs;
-    real = r < R && j < blk.hv;
-    return a.w_hh + static_cast<int64_t>(k * H + blk.j0 + j) * H;
-  };
+  // Row r's scale: 2^(e - 15) for its largest |w| = m 2^e, m in [0.5, 1) (1 for a row of zeros or a
+  // padding row, or of an infinity: that stays infinite).
   for (int r = warp; r < ROWS; r += kWarps) {
-    bool real;
-    const float* src = row_of(r, real);
+    const float* src = block_row(a.w_hh, G, g, blk, r);
     float m = 0.0f;
-    if (real)
+    if (src)
       for (int c = lane; c < H; c += 32) m = fmaxf(m, fabsf(src[c]));
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -360,15 +352,14 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = 16 * m + gr + 8 * half;
-      bool real;
-      const float* src = row_of(row, real);
+      const float* src = block_row(a.w_hh, G, g, blk, row);
       const float inv = 1.0f / scale_s[row];
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int c = warp * KW + 32 * (ks / 2) + 8 * t + 4 * (ks % 2);
         float v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = real && c + e < H ? src[c + e] * inv : 0.0f;
+        for (int e = 0; e < 4; ++e) v[e] = src && c + e < H ? src[c + e] * inv : 0.0f;
         w[m][ks][half] = half2_bits(v[0], v[1]), w[m][ks][2 + half] = half2_bits(v[2], v[3]);
       }
     }

@@ -361,9 +361,9 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
                      __uint_as_float(u.y & 0xffff0000u));
 }
 
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+__device__ __forceinline__ unsigned load_relaxed(const unsigned* p) {
   unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -377,8 +377,11 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 //            Mailbox.
 //   kGrid    a per-group counter that only grows: barrier n is complete when it reaches n * nc.
 //            Thread 0 publishes the block's global writes (ordered before it by __syncthreads) with a
-//            fence and the atomic, and spins on acquire loads; the closing __syncthreads hands that
-//            view to the other threads (cooperative_groups' grid.sync() pattern).
+//            release add, spins on relaxed loads, then acquires once with a fence. Release/acquire is
+//            all it needs (each block must see the writes made before the others' arrivals); the
+//            __threadfence it had is sequentially consistent (MEMBAR.SC), and an acquire load per
+//            poll invalidates L1 each time. The closing __syncthreads hands that view to the other
+//            threads (cooperative_groups' grid.sync() pattern).
 struct GroupBarrier {
   Sync mode;
   unsigned* counter;
@@ -390,10 +393,7 @@ struct GroupBarrier {
     } else if (mode == Sync::kGrid) {
       __syncthreads();
       arrived += nc;
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
-      }
+      if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
     }
   }
   __device__ __forceinline__ void wait() {
@@ -401,9 +401,9 @@ struct GroupBarrier {
       asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
     } else if (mode == Sync::kGrid) {
       if (threadIdx.x == 0) {
-        while (load_acquire(counter) < arrived) {
+        while (load_relaxed(counter) < arrived) {
         }
-        __threadfence();
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
       }
       __syncthreads();
     } else {
@@ -552,20 +552,22 @@ struct Block {
   }
 };
 
-// This block's rows of W_hh (row q*hs + j <- W_hh[q*H + j0 + j], every gate q), zero padded to
-// `rows` x `cols`, into w as w[r * ld + k] or, transposed, w[k * ld + r]. k runs fastest so that the
-// reads of W_hh rows coalesce.
+// The W_hh row of this block's row r: gate q = r / hs, unit j0 + r % hs (row q*H + j0 + j), or null for
+// a padding row (past the G gates' rows, or past the block's hv units). Every kernel reads its rows so.
+__device__ __forceinline__ const float* block_row(const float* w_hh, int G, const Geometry& g, const Block& blk, int r) {
+  const int q = r / g.hs, j = r - q * g.hs;
+  return r < G * g.hs && j < blk.hv ? w_hh + static_cast<int64_t>(q * g.H + blk.j0 + j) * g.H : nullptr;
+}
+
+// This block's rows of W_hh (block_row), zero padded to `rows` x `cols`, into w as w[r * ld + k] or,
+// transposed, w[k * ld + r]. k runs fastest so that the reads of W_hh rows coalesce.
 template <bool kTransposed, typename WT>
 __device__ __forceinline__ void load_weights(WT* w, int ld, int rows, int cols, const float* w_hh, int G, const Geometry& g,
                              const Block& blk) {
   for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
     const int r = e / cols, k = e - r * cols;
-    float v = 0.0f;
-    if (r < G * g.hs && k < g.H) {
-      const int q = r / g.hs, j = r - q * g.hs;
-      if (j < blk.hv) v = w_hh[static_cast<int64_t>(q * g.H + blk.j0 + j) * g.H + k];
-    }
-    w[kTransposed ? k * ld + r : r * ld + k] = to_weight<WT>(v);
+    const float* row = block_row(w_hh, G, g, blk, r);
+    w[kTransposed ? k * ld + r : r * ld + k] = to_weight<WT>(row && k < g.H ? row[k] : 0.0f);
   }
 }
 
