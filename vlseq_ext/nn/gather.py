@@ -46,6 +46,7 @@ from torch.nn import functional as F
 __all__ = ["CallGatherer", "GatheredLinear", "active_caller", "gather_linear_calls", "reply_calls"]
 
 _local = threading.local()
+_CPU = torch.device("cpu")
 
 
 def active_caller() -> Optional["_Caller"]:
@@ -53,15 +54,28 @@ def active_caller() -> Optional["_Caller"]:
     return getattr(_local, "caller", None)
 
 
+def _stream_key(device_index: int) -> tuple:
+    """The current CUDA stream of a device as (stream id, device index, device type): what
+    torch.cuda.current_stream reads, without the Stream object it makes. Every recurrent and Linear
+    call of a pass asks (_call_mode): 4.5 -> 1.05 us a call on one H200 machine's host, twice a pass
+    of the sweep's one-sample model (BENCHMARKS.md, twenty-fifth session)."""
+    return tuple(torch._C._cuda_getCurrentStream(device_index))
+
+
+def _stream_of(key: tuple) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+
+
 def _call_mode(input: Any) -> tuple:
     """The per-thread modes a call runs under (grad, inference, autocast of the input's device
-    type, the current stream of a CUDA input's device): calls join a batch only with calls of the
-    same modes, and the batch runs under them."""
-    device = input.device if isinstance(input, torch.Tensor) else torch.device("cpu")
-    autocast = torch.is_autocast_enabled(device.type)
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device.type, autocast,
-            torch.get_autocast_dtype(device.type) if autocast else None, stream)
+    type, the current stream of a CUDA input's device as _stream_key): calls join a batch only with
+    calls of the same modes, and the batch runs under them."""
+    device = input.device if isinstance(input, torch.Tensor) else _CPU
+    kind = device.type
+    autocast = torch.is_autocast_enabled(kind)
+    stream = _stream_key(device.index) if kind == "cuda" else None
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), kind, autocast,
+            torch.get_autocast_dtype(kind) if autocast else None, stream)
 
 
 def _entered(mode: tuple) -> ContextManager:
@@ -71,7 +85,7 @@ def _entered(mode: tuple) -> ContextManager:
     stack.enter_context(torch.set_grad_enabled(grad))
     stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False))
     if stream is not None:
-        stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.cuda.stream(_stream_of(stream)))
     return stack
 
 
@@ -135,7 +149,7 @@ class _Slot:
         self.reply: Optional[tuple] = None     # (ok, result or exception) for that call
         self.outcome: Optional[tuple] = None   # (ok, fn's result or exception) once finished
         self.next: Optional["_Slot"] = None    # who runs after it in this round (None: the coordinator)
-        self.stream: Any = None                # the CUDA stream this thread was last made current on
+        self.stream: Any = None                # the CUDA stream (_stream_key) this thread was last made current on
 
 
 class _Caller:
@@ -189,11 +203,10 @@ class CallGatherer:
             fn, (grad, stream) = slot.work
             try:
                 torch.set_grad_enabled(grad)
-                # This thread's current stream stays between runs. (Compared by value: each
-                # current_stream() call gives a new Python object for the same stream.)
+                # This thread's current stream stays between runs.
                 if stream is not None and stream != slot.stream:
-                    torch.cuda.set_device(stream.device)
-                    torch.cuda.set_stream(stream)
+                    torch.cuda.set_device(stream[1])
+                    torch.cuda.set_stream(_stream_of(stream))
                     slot.stream = stream
                 with self.worker_context():
                     slot.outcome = (True, fn())
@@ -212,9 +225,10 @@ class CallGatherer:
 
     @staticmethod
     def _callers_state() -> tuple:
-        """The caller's grad mode and current CUDA stream (None without CUDA in use), which the
-        workers take on (see the module doc)."""
-        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        """The caller's grad mode and current CUDA stream (_stream_key; None without CUDA in use),
+        which the workers take on (see the module doc)."""
+        stream = (_stream_key(torch.cuda.current_device())
+                  if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
         return torch.is_grad_enabled(), stream
 
     def _round(self, slots: List[_Slot]) -> None:
@@ -325,9 +339,12 @@ class GatheredLinear(nn.Linear):
             return x if fits and (first is None or (x.dtype, x.device) == (first.dtype, first.device)) else None
 
         def run_joined(xs: List[Tensor]) -> List[Tensor]:
-            rows = [x.reshape(-1, self.in_features) for x in xs]
+            # (rows, features) inputs, the usual head's, join and come back as they are: no view op
+            # (and autograd node) each way per call.
+            rows = [x if x.dim() == 2 else x.reshape(-1, self.in_features) for x in xs]
             out = F.linear(torch.cat(rows) if len(rows) > 1 else rows[0], self.weight, self.bias)
-            return [o.reshape(*x.shape[:-1], self.out_features) for x, o in zip(xs, out.split([r.shape[0] for r in rows]))]
+            return [o if x.dim() == 2 else o.reshape(*x.shape[:-1], self.out_features)
+                    for x, o in zip(xs, out.split([r.shape[0] for r in rows]))]
 
         return reply_calls(calls, joins, lambda call: F.linear(call[0], self.weight, self.bias), run_joined)
 
