@@ -111,6 +111,17 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// Group n of `groups` cp.async groups (committed in order) landed, for every thread of the block: at
+// most groups - 1 - n may still be in flight (wait_group takes an immediate).
+__device__ __forceinline__ void wait_staged(int n, int groups) {
+  switch (min(groups - 1 - n, 3)) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+  __syncthreads();
+}
 // x as the TF32 tensor-core products read it, rounded to nearest (the MMA itself would drop the low 13
 // bits: truncation, a bias every step of the recurrence would repeat).
 __device__ __forceinline__ float round_tf32(float x) {
@@ -435,14 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_regs_kernel(cons
     }
     VLSEQ_MARK(0, 1, s);
     for (int ch = 0; ch < nchunks; ++ch) {
-      // Wait for chunk ch: at most nchunks - 1 - ch groups may still be in flight (an immediate operand).
-      switch (min(nchunks - 1 - ch, 3)) {
-        case 0: cp_async_wait<0>(); break;
-        case 1: cp_async_wait<1>(); break;
-        case 2: cp_async_wait<2>(); break;
-        default: cp_async_wait<3>(); break;
-      }
-      __syncthreads();
+      wait_staged(ch, nchunks);
       const int bend = min(bv, (ch + 1) * kGridFwdChunk);
       for (int b = next_running(lens, s, ch * kGridFwdChunk, bend); b < bend;) {
         // SP running samples at a time (bend past the last): their sums share one butterfly.

@@ -197,7 +197,7 @@ __device__ __forceinline__ bool tile_runs(const int* lens, int n0, int bv, int s
 
 // The forwards' staging of h_{t-1}: the rows (`row` elements apart at `in`, `chunks` 16-byte chunks each) of
 // the samples running at s to h_s (rows ldh apart), each tile of 8 samples its own cp.async group, a warp per
-// sample: tile n's MMAs (after wait_tile) run while the later tiles' rows arrive.
+// sample: tile n's MMAs (after wait_staged) run while the later tiles' rows arrive.
 template <typename T>
 __device__ __forceinline__ void stage_tiles(const T* in, int row, int chunks, T* h_s, int ldh, const int* lens, int bv,
                                             int s, int tiles) {
@@ -211,16 +211,6 @@ __device__ __forceinline__ void stage_tiles(const T* in, int row, int chunks, T*
     }
     cp_async_commit();
   }
-}
-// Tile n's rows staged, by every thread of the block (at most tiles - 1 - n groups still in flight).
-__device__ __forceinline__ void wait_tile(int n, int tiles) {
-  switch (min(tiles - 1 - n, 3)) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    default: cp_async_wait<3>(); break;
-  }
-  __syncthreads();
 }
 
 template <Cell C, int MT, int KS>
@@ -271,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
     stage_tiles(in, Kp, Kp / 4, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      wait_tile(n, tiles);
+      wait_staged(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][2][4];  // two sums per m-tile (even and odd pairs of k-steps): twice the chains
 #pragma unroll
@@ -371,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      wait_tile(n, tiles);
+      wait_staged(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
 #pragma unroll
