@@ -261,7 +261,7 @@ def test_too_large_falls_back_with_one_warning(rand):
     (nn.LSTM, 256, 7, 2, True, False),   # clusters
     (nn.LSTM, 1024, 32, 1, False, False),  # the grid layout, W_hh in registers
     (nn.GRU, 1024, 32, 1, False, False),
-    (nn.LSTM, 1024, 32, 1, False, True),  # the grid layout: the forward in 16 bits, the backward TF32
+    (nn.LSTM, 1024, 32, 1, False, True),  # the grid layout in 16 bits, forward and backward
     (nn.GRU, 1024, 32, 1, False, True),
 ])
 def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional, tf32):
@@ -270,7 +270,7 @@ def test_same_bits_run_to_run(rand, cls, H, B, layers, bidirectional, tf32):
     if H == 1024:
         plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", H, B, "tf32" if tf32 else "fp32", DEV)
         if tf32:
-            assert HALF_FORWARD in plan and "TF32 products on the tensor cores (backward)" in plan, plan
+            assert HALF_BOTH in plan, plan
         else:
             assert "W_hh in registers (forward and backward)" in plan and "tensor cores" not in plan, plan
     ref, mod, x, lens, hx = make(rand, cls, 36, H, layers=layers, bidirectional=bidirectional,
@@ -414,48 +414,59 @@ def test_tf32_mode_tolerance(rand):
 
 # The TF32 kernels' error, relative norm, against the fp32 kernels (W_hh and h or the gate gradients
 # rounded to TF32's 10-bit mantissa, products summed in fp32): 0.5-3.9e-4 measured over 30 steps
-# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5. The forward in
-# 16 bits rounds W_hh and h to the same 11 significant bits.
+# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5. The kernels in
+# 16 bits round W_hh and h or the gate gradients to the same 11 significant bits (under scales).
 TF32_OP_TOL = 2e-3
 HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
-TF32_BOTH = ("TF32 products on the tensor cores (forward and backward)",)
-HALF_TF32 = (HALF_FORWARD, "TF32 products on the tensor cores (backward)")
+HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward)"
+HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
 @pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
-    # the forward in 16 bits on 2 groups of 64 blocks, the TF32 backward on 128
-    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
-    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples", HALF_TF32, 0),
-    # the backward's second m-tile of samples: all of them ended after a few steps
+    # both directions in 16 bits on 2 groups of 64 blocks
+    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples per block", (HALF_BOTH,), 0),
+    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples per block", (HALF_BOTH,), 0),
+    # the second tile of 8 samples: all of them ended after a few steps
     ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True,
-     "grid 64 blocks x 2 groups, 16 units and 10 samples per block, W_hh and h in 16 bits, fp16 products on the tensor "
-     "cores (forward), shared memory 67 KiB; backward: grid 128 blocks x 1", HALF_TF32, 0),
-    # 126 blocks of units rounded up to 128 for the backward (two hold none); the last one unit, padding
-    # columns; the forward in one group (fewer than 8 samples in each of two), 3 m-tiles, its last block 2
-    # units of 9
-    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 112 blocks x 1 groups, 9 units", HALF_TF32, 0),
-    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 91 blocks x 1 groups, 11 units", HALF_TF32, 0),
-    # 64 blocks: 8 row groups, one owner a warp; no 16-bit forward below hidden 615
-    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid 64 blocks x 1", TF32_BOTH, 64),
-    # fewer than 8 or more than 32 samples a group: the fp32 register backward (126 blocks, 40 samples);
-    # fewer than 8 samples: the TF32 forward
-    ("lstm", 1001, [30, 4, 17], True, "grid 126 blocks x 1", ("TF32 products on the tensor cores (forward)",
-                                                              "W_hh in registers (forward and backward)"), 0),
+     "grid 64 blocks x 2 groups, 16 units and 10 samples per block", (HALF_BOTH,), 0),
+    # the forward in one group (fewer than 8 samples in each of two), 3 m-tiles, its last block 2 units of
+    # 9; the backward's 63 blocks of units rounded up to 64 (the last holds none, the one before 9 units),
+    # one tile of samples
+    ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 112 blocks x 1 groups, 9 units",
+     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 6 samples", HALF_BACKWARD), 0),
+    ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 91 blocks x 1 groups, 11 units",
+     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 5 samples", HALF_BACKWARD), 0),
+    # 48 blocks (6 source blocks a warp), 4 of them past H, the last real one 12 units
+    ("gru", 700, [30, 4, 0, 17, 1, 30, 22, 11, 30, 5, 30, 2, 19, 30], True, "grid",
+     ("backward: grid 48 blocks x 2 groups, 16 units and 7 samples", HALF_BACKWARD), 0),
+    # 32 blocks (4 source blocks a warp); no 16-bit forward below hidden 615
+    ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid",
+     ("TF32 products on the tensor cores (forward)", "backward: grid 32 blocks x 2 groups, 16 units and 6 samples",
+      HALF_BACKWARD), 64),
+    # fewer than 8 samples: the TF32 forward; two groups of 2 and 1 samples
+    ("lstm", 1001, [30, 4, 17], True, "grid 126 blocks x 1",
+     ("TF32 products on the tensor cores (forward)", "backward: grid 64 blocks x 2 groups, 16 units and 2 samples",
+      HALF_BACKWARD), 0),
+    # one sample: the fp32 register backward (the 16-bit one measured no faster there)
+    ("lstm", 1024, [30], False, "grid 128 blocks x 1",
+     ("W_hh in registers (forward and backward)", "TF32 products on the tensor cores (forward)"), 0),
+    # more than 16 samples a group: the fp32 register backward
     ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2 groups, 16 units and 20 samples",
      (HALF_FORWARD, "W_hh in registers (backward)"), 0),
 ])
 def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_blocks):
     """weights "tf32" on the grid layout: the products on the tensor cores in the directions whose kernel
-    has the shape (the forward in 16 bits on a layout of its own where it has one); every output of both
-    ops against the CPU kernels in fp32 within TF32_OP_TOL, and samples past their length untouched."""
+    has the shape (in 16 bits on a layout of their own where they have one); every output of both ops
+    against the CPU kernels in fp32 within TF32_OP_TOL, and samples past their length untouched."""
+    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
     plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV, max_blocks=max_blocks)
     assert plan.startswith(layout) and all(k in plan for k in kernels), plan
-    compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
 
 
-def test_op_forward_in_16_bits_scales_each_row(rand):
-    """The 16-bit forward scales each row of W_hh by a power of 2 of its own: rows of weights past fp16's
+def test_op_16_bit_kernels_scale_rows_and_columns(rand):
+    """The 16-bit forward scales each row of W_hh by a power of 2 of its own, the 16-bit backward each
+    column: rows of weights past fp16's
     range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
     normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
     ones; and huge columns, so that every row's largest weight is ~1e6 times its others (which keep their
@@ -465,7 +476,7 @@ def test_op_forward_in_16_bits_scales_each_row(rand):
     ~1e5). Every output of both ops against the CPU kernels within TF32_OP_TOL."""
     H, cols = 1024, [2, 100, 513, 1000]  # units whose output gate's row is not one of the huge rows
     plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
-    assert plan.startswith("grid 64 blocks x 2") and all(k in plan for k in HALF_TF32), plan
+    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan, plan
 
     def rows_and_columns_apart(xp, w, b, h0):
         huge = torch.arange(0, 4 * H, 7)
@@ -485,12 +496,31 @@ def test_op_forward_in_16_bits_scales_each_row(rand):
                          adjust=rows_and_columns_apart)
 
 
-def test_op_grid_layout_tf32_in_two_groups(rand):
-    """The TF32 backward with two groups of blocks side by side (LSTM 512: 64 blocks a group, 32 samples
-    each): each group's row-group and column barriers, exchange and partials apart from the other's."""
+def test_op_backward_in_16_bits_scales_each_sample(rand):
+    """The 16-bit backward publishes each block's gate gradients of a sample with a power-of-2 scale of their
+    own: samples whose gradients are ~1e-30 (below fp16's range, and 1e-25 of the others) and ~1e25 (past
+    it) beside ordinary ones, in the same block, and units whose gradients are 1e6 times their block's
+    others. Every output of both ops, sample by sample, against the CPU kernels within TF32_OP_TOL."""
+    H = 1024
+    plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
+    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan, plan
+
+    def samples_apart(dy, dh_n, dc_n):
+        scale = torch.tensor([1e-30, 1.0, 1e25, 1e-12] * 8, dtype=dy.dtype)
+        loud = torch.arange(3, H, 37)  # a unit in most blocks of 16
+        dy[:, :, loud] *= 1e6
+        return dy * scale[:, None, None], dh_n * scale[:, None], dc_n * scale[:, None]
+
+    compare_ops_with_cpu(rand, "lstm", LENS32, 30, H, True, weights="tf32", tol=TF32_OP_TOL, adjust_grads=samples_apart,
+                         per_sample=True)
+
+
+def test_op_backward_in_16_bits_in_four_groups(rand):
+    """The 16-bit backward with four groups of blocks side by side (LSTM 512: 32 blocks a group, 16 samples
+    each): each group's barrier and exchange apart from the others'."""
     lens = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 4
     plan = ops.rnn_plan("lstm", 512, len(lens), "tf32", DEV, max_blocks=128)
-    assert plan.startswith("grid 64 blocks x 2 groups") and "TF32 products on the tensor cores (forward and backward)" in plan, plan
+    assert plan.startswith("grid 32 blocks x 4 groups, 16 units and 16 samples") and HALF_BACKWARD in plan, plan
     compare_ops_with_cpu(rand, "lstm", lens, 30, 512, False, weights="tf32", max_blocks=128, tol=TF32_OP_TOL)
 
 
@@ -567,9 +597,11 @@ def test_bf16_autocast_tolerance(rand):
     assert err < 3e-2, err
 
 
-def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5, adjust=None):
-    """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm);
-    adjust(xproj, W_hh, b_hh, h0) -> the four: changes to the random inputs."""
+def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_blocks=0, tol=1e-5, adjust=None,
+                         adjust_grads=None, per_sample=False):
+    """Every output of rnn_forward and rnn_backward on the GPU against the CPU kernels (relative norm, of
+    each sample's part where per_sample: every output is batch-first); adjust(xproj, W_hh, b_hh, h0) -> the
+    four, adjust_grads(dy, dh_n, dc_n) -> the three: changes to the random inputs."""
     B, G = len(lens), 4 if cell == "lstm" else 3
     xp = rand.randn(B, T, G * H)
     w, b = rand.randn(G * H, H, scale=0.8 / H ** 0.5), rand.randn(G * H, scale=0.1)
@@ -579,6 +611,8 @@ def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_bl
     c0 = rand.randn(B, H) if cell == "lstm" else None
     dy, dh_n = rand.randn(B, T, H), rand.randn(B, H)
     dc_n = rand.randn(B, H) if cell == "lstm" else None
+    if adjust_grads is not None:
+        dy, dh_n, dc_n = adjust_grads(dy, dh_n, dc_n)
     if weights == "bf16":  # the CPU kernels take fp32 weights: the bf16-rounded ones are the same numbers
         w = w.to(torch.bfloat16).float()
     outs = {}
@@ -590,8 +624,10 @@ def compare_ops_with_cpu(rand, cell, lens, T, H, reverse, weights="fp32", max_bl
                                  max_blocks=max_blocks)
         outs[dev] = [t.cpu() for t in (y, h_n, c_n, *grads) if t.numel()]
     for i, (got, want) in enumerate(zip(outs[DEV], outs["cpu"])):
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert err <= tol, f"output {i}: relative error {err:.3g}"
+        for b, (g, w) in enumerate(zip(got, want) if per_sample else [(got, want)]):
+            g, w = g.double(), w.double()
+            err = ((g - w).norm() / w.norm()).item() if w.norm() > 0 else g.norm().item()
+            assert err <= tol, f"output {i}" + (f", sample {b}" if per_sample else "") + f": relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("cell,max_blocks", [("lstm", 0), ("gru", 66)])

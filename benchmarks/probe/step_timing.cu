@@ -4,7 +4,8 @@
 // batch tile the planner would take; 480 steps, each group B samples on nc blocks): the generic kernels,
 // then, in fp32, the fused ones and the reduce-scatter backward where they fit; nc > 16: the grid kernels,
 // launched cooperatively, h staged in the chunks the planner would pick; both directions also with W_hh in
-// registers and with TF32 MMAs where they fit, and the forward with W_hh in 16 bits where it does. Several
+// registers and the forward with TF32 MMAs where they fit, and with W_hh in 16 bits (the forward, and the
+// backward on blocks of its own) where they do. Several
 // groups make the batch's tensors outgrow L2, as in the bench (7 groups of 5 samples: the LSTM 256 x 2 at
 // batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0, the fused kernels do not ask L2 for the step after
 // next's inputs (the A/B of BENCHMARKS.md, ninth session).
@@ -30,8 +31,8 @@ VLSEQ_RNN_GRID_TABLE(grid_backward_kernel, rnn_backward_grid_kernel)
 VLSEQ_RNN_GRID_REGS_TABLE(grid_backward_regs_kernel, rnn_backward_grid_regs_kernel)
 VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_kernel)
 VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel)
-VLSEQ_RNN_GRID_TF32_BWD_TABLE(grid_backward_tf32_kernel, rnn_backward_grid_tf32_kernel)
 VLSEQ_RNN_GRID_HALF_FWD_TABLE(grid_forward_half_kernel, rnn_forward_grid_half_kernel)
+VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_kernel, rnn_backward_grid_half_kernel)
 }  // namespace vlseq::rnn
 
 float* upload(size_t n, float scale) {
@@ -172,19 +173,23 @@ int main(int argc, char** argv) {
       launch(grid_backward_regs_kernel(cell, sh.nr), ba, blocks, nc, grid_regs_smem(g, sh).total, true);
       report(1, 6, T, gb);
     }
-    const GridTf32BwdShape btsh(G, hs, nc, B);
-    if (regs_pairs && btsh.ntw > 0) {
-      printf(" TF32 on the tensor cores (row groups of %d blocks, %d owners a warp):\n", kTf32RowGroup, btsh.ntw);
-      float* tx;
-      const size_t bytes = grid_tf32_exchange(g, groups, btsh) * 4;
-      cudaMalloc(&tx, bytes);
-      cudaMemset(tx, 0, bytes);
-      unsigned* counters;
-      cudaMalloc(&counters, grid_tf32_counters(groups, btsh) * 4);
-      cudaMemset(counters, 0, grid_tf32_counters(groups, btsh) * 4);
-      ba.xchg = tx, ba.arrivals = counters;
-      launch(grid_backward_tf32_kernel(cell, btsh.ntw), ba, blocks, nc, GridTf32BwdSmem(g, G, btsh).total, true);
-      report(1, 6, T, gb);
+    // The backward in 16 bits on its own blocks (16 units each, 32, 48 or 64 of them), the same groups.
+    const int hnc = grid_half_backward_blocks(H);
+    const GridHalfBwdShape hbsh(kHalfBwdUnits, hnc, B);
+    if (hnc > 0 && hbsh.sb > 0 && hnc * groups <= p.multiProcessorCount) {
+      printf(" W_hh and the gate gradients in 16 bits, fp16 MMAs (%d blocks, %d source blocks a warp):\n", hnc, hbsh.sb);
+      Geometry hg = g;
+      hg.nc = hnc, hg.hs = kHalfBwdUnits;
+      float* hx;
+      const size_t bytes = grid_half_backward_exchange(hg, G, groups) * 4;
+      cudaMalloc(&hx, bytes);
+      cudaMemset(hx, 0, bytes);
+      cudaMemset(arrivals, 0, groups * 4);
+      BackwardArgs hb = ba;
+      hb.g = hg, hb.xchg = hx, hb.arrivals = arrivals;
+      static const char* gbh[] = {"stage+mma+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
+      launch(grid_backward_half_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfBwdSmem(hg, G).total, true);
+      report(1, 6, T, gbh);
     }
     return 0;
   }

@@ -43,11 +43,11 @@ struct LaunchPlan {
   bool wide = false;  // cluster, fused: the kernels with twice the chunks per lane (fused_chunks)
   int64_t smem = 0;
   int regs_rows = 0, regs_chunks = 0;  // grid forward, fused: rows and float4 chunks of W_hh per thread
-  // Grid, weights tf32: the products on the tensor cores (rnn_grid_tf32_kernels.cuh; then fused is set
-  // too: W_hh is in registers).
+  // Grid forward, weights tf32: the TF32 products on the tensor cores (rnn_grid_tf32_kernels.cuh; then
+  // fused is set too: W_hh is in registers).
   bool tf32 = false;
-  // Grid forward, weights tf32: W_hh and h in 16 bits, fp16 MMAs (rnn_forward_grid_half_kernel; fused is
-  // set too).
+  // Grid, weights tf32: W_hh and h (forward) or the gate gradients (backward) in 16 bits, fp16 MMAs
+  // (rnn_forward_grid_half_kernel, rnn_backward_grid_half_kernel; fused is set too).
   bool half = false;
   bool same_layout(const LaunchPlan& o) const {
     return sync == o.sync && nc == o.nc && hs == o.hs && bs == o.bs && groups == o.groups;

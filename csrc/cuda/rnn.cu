@@ -13,8 +13,8 @@
 // cores where a kernel has the shape, rnn_grid_tf32_kernels.cuh). The choice minimises a cost model of
 // one step (products, cell, exchange and barrier, in clocks) times the number of waves of groups that
 // do not fit on the GPU at once, for the forward and the backward launch each (in clusters they may
-// take different layouts; on the grid one for both, but for the forward with W_hh in 16 bits, which takes
-// its own); BENCHMARKS.md has what it picks and what that measures.
+// take different layouts; on the grid one for both, but for the kernels with W_hh in 16 bits, which take
+// their own); BENCHMARKS.md has what it picks and what that measures.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -127,11 +127,10 @@ double direction_clocks(bool backward, Kernel kernel, Sync sync, int G, int hs, 
 // Clocks of one step of the grid kernels, forward plus backward (an estimate from their structure, not
 // fitted): the products at 128 FMAs a clock or their tiles' shared-memory reads at 128 bytes a clock,
 // whichever bounds (with W_hh in registers, `fregs` / `regs`: the FMAs of the rows held, padding
-// included, on the threads that hold them; the TF32 kernels, `ftf32` / `btf32`: their MMAs); L2 at
-// ~2.9 KB a clock for the whole GPU (forward: every block reads every sample's h, under the products;
-// backward: the partials written under the products, read after the barrier), except for the TF32
-// backward, whose blocks move ~70 KB each (its row groups: ~2,000 for the second barrier); ~2,500 a
-// direction for the cell and the barrier. The steps measure 2-2.5x
+// included, on the threads that hold them; the TF32 forward, `ftf32`: its MMAs); L2 at ~2.9 KB a clock
+// for the whole GPU (forward: every block reads every sample's h, under the products; backward: the
+// partials written under the products, read after the barrier); ~2,500 a direction for the cell and the
+// barrier. The steps measure 2-2.5x
 // this (the shared-memory tiles' products run at ~45% of the FMA rate, the register kernels issue about
 // half the time: BENCHMARKS.md, eleventh and twelfth sessions), but it ranks the layouts as they
 // measured: 128 blocks over 86 for fp32 LSTM 1024 at 32 samples, and for bf16 two groups of 64 blocks
@@ -140,7 +139,7 @@ struct GridClocks {
   double forward = 0, backward = 0;
 };
 GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups, int wbytes, const GridFwdRegsShape* fregs,
-                       const GridRegsShape* regs, const GridTf32FwdShape* ftf32, const GridTf32BwdShape* btf32) {
+                       const GridRegsShape* regs, const GridTf32FwdShape* ftf32) {
   const double R8 = round_up(G * hs, kGridRows), Kp = round_up(H, 4), bsp = round_up(bs, bt);
   const double fma = R8 * Kp * bsp / 128.0;
   const double smem = (R8 / kGridRows) * (bsp / bt) * (Kp / 4.0) * (kGridRows * 4.0 * wbytes + bt * 16.0) / 128.0;
@@ -151,13 +150,6 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
   const double forward = ftf32   ? 8.0 * ftf32->mt * ftf32->ks * tiles
                          : fregs ? static_cast<double>(fregs->ng) * fregs->nr * fregs->kq * bs / 128.0
                                  : products;
-  if (btf32) {  // a warp's MMAs (2 m-tiles x ntw owners x rows / 8 k-steps, ~8 clocks each as the
-                // forward's) or a block's bytes (its row group's gate gradients, partials out and in) at
-                // ~42 a clock, whichever bounds
-    const double mmas = 8.0 * 2.0 * btf32->ntw * btf32->rows / 8.0;
-    const double bytes = (btf32->rows + 2.0 * btf32->P * hs) * bs * 4.0;
-    return {std::max(forward, l2) + 2500.0, std::max(mmas, bytes / 42.0) + 2000.0 + 2500.0};
-  }
   const double backward = regs ? static_cast<double>(regs->ng) * regs->nr * Kp * bs / 128.0 * kThreads / (regs->nq * regs->ng)
                                : products;
   return {std::max(forward, l2) + 2500.0, backward + l2 + 2500.0};
@@ -170,6 +162,13 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
+  return std::max(mmas, intake) + 2500.0;
+}
+// The backward with W_hh and the gate gradients in 16 bits: as the forward's, its MMAs (sb * G a warp and
+// tile of samples) or its staging of the group's gate gradients (G * 16 * nc halves a sample).
+double half_backward_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
+  const double mmas = 11.0 * sh.sb * G * ceil_div(bs, 8);
+  const double intake = static_cast<double>(bs) * nc * G * kHalfBwdUnits * 2.0 / 42.0;
   return std::max(mmas, intake) + 2500.0;
 }
 
@@ -315,6 +314,33 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
   }
 }
 
+// The backward with W_hh and the gate gradients in 16 bits on a layout of its own, where its estimate beats
+// `clocks`, the chosen backward's: 16 units a block on 32, 48 or 64 blocks, as many groups as the SMs hold,
+// at most kHalfBwdMaxSamples samples each, from 2 samples on. Its step measured 29-36% shorter than the TF32
+// backward's (gone since) and the fp32 register one's from 2 samples on (LSTM 1024, 2 groups of 16 samples
+// on 64 blocks: 11,328 clocks, against 16,235 for 32 on 128; 2 groups of 1: 5,979 against ~6,600), but
+// the same at one (5,992 against 5,936), where the fp32 kernel keeps fp32 (BENCHMARKS.md, twenty-sixth
+// session).
+constexpr int kHalfBwdMinBatch = 2;
+void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& backward,
+                        double clocks) {
+  const int G = num_gates(cell), nc = grid_half_backward_blocks(H);
+  if (B < kHalfBwdMinBatch || nc == 0 || nc > sms) return;
+  const int bs = ceil_div(B, std::min(sms / nc, B)), groups = ceil_div(B, bs);
+  const GridHalfBwdShape sh(kHalfBwdUnits, nc, bs);
+  if (sh.sb == 0) return;
+  const Geometry g{B, 1, H, nc, kHalfBwdUnits, bs, bs, Sync::kGrid, 0};
+  const int64_t smem = GridHalfBwdSmem(g, G).total;
+  if (smem > static_cast<int64_t>(p.sharedMemPerBlockOptin)) return;
+  const void* kernel = grid_backward_half_kernel(cell, sh.sb);
+  prepare(kernel, device, p.sharedMemPerBlockOptin);
+  if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups || half_backward_clocks(sh, G, nc, bs) >= clocks) return;
+  LaunchPlan l;
+  l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = kHalfBwdUnits, l.bs = bs, l.chunk = bs, l.groups = groups;
+  l.bt = 8, l.fused = l.half = true, l.smem = smem;
+  backward = l;
+}
+
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
 // in the fewest chunks of columns whose two buffers fit beside W_hh.
@@ -324,70 +350,60 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   const int G = num_gates(cell), wbytes = w == Weights::kFP32 ? 4 : 2, Kp = round_up(H, 4);
   const bool tf32 = precision == Weights::kTF32;
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
-  double best_clocks = 0, forward_clocks = 0;
+  double best_clocks = 0, forward_clocks = 0, backward_clocks = 0;
   for (int hs = 4; hs < Kp; hs += 4) {
-    const int units_nc = ceil_div(H, hs);
-    if (units_nc > sms) continue;
-    if (units_nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
+    const int nc = ceil_div(H, hs);
+    if (nc > sms) continue;
+    if (nc <= kMaxCluster) break;  // a cluster holds it (or W_hh fits nowhere, only more so with fewer blocks)
     if (static_cast<int64_t>(round_up(G * hs, kGridRows)) * (Kp + 4) * wbytes > optin) break;  // grows with hs
-    // The TF32 backward takes whole row groups of kTf32RowGroup blocks: a second plan rounds nc up to them
-    // (the blocks past H hold no units), taken only with that backward.
-    for (int pass = 0; pass < 2; ++pass) {
-      const int nc = pass == 0 ? units_nc : round_up(units_nc, kTf32RowGroup);
-      if (pass == 1 && (nc == units_nc || nc > sms || !tf32)) continue;
-      const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
-      if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
-      Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
-      int64_t fwd = 0;
-      for (int n = 1; n <= Kp / 16 && g.chunk == 0; ++n) {
-        g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
-        fwd = GridForwardSmem(g, G, wbytes, bt).total;
-        if (fwd > optin) g.chunk = 0;
-      }
-      if (g.chunk == 0) continue;
-      // Each direction with W_hh in registers where the block's rows fit them (fp32): in tf32 on the
-      // tensor cores where a kernel has the shape, else with FMAs.
-      const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32);
-      const GridTf32FwdShape ftsh(G, H, hs);
-      const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
-      const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
-      const bool fregs = fsh.nr > 0;
-      if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
-      if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
-      const GridTf32BwdShape btsh(G, hs, nc, bs);
-      const bool btf32 = tf32 && few_pairs && btsh.ntw > 0 && GridTf32BwdSmem(g, G, btsh).total <= optin;
-      if (nc != units_nc && !btf32) continue;
-      const GridRegsShape sh(G, H, hs);
-      const bool regs = few_pairs && !btf32 && sh.nr > 0;
-      const int64_t bwd = btf32  ? GridTf32BwdSmem(g, G, btsh).total
-                          : regs ? grid_regs_smem(g, sh).total
-                                 : GridBackwardSmem(g, G, wbytes, bt).total;
-      if (bwd > optin) continue;
-      const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
-                       : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
-                               : grid_forward_kernel(cell, w, bt);
-      const void* bk = btf32  ? grid_backward_tf32_kernel(cell, btsh.ntw)
-                       : regs ? grid_backward_regs_kernel(cell, sh.nr)
-                              : grid_backward_kernel(cell, w, bt);
-      prepare(fk, device, p.sharedMemPerBlockOptin);
-      prepare(bk, device, p.sharedMemPerBlockOptin);
-      const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
-      if (resident < groups) continue;
-      const GridClocks est = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
-                                         ftf32 ? &ftsh : nullptr, btf32 ? &btsh : nullptr);
-      const double clocks = est.forward + est.backward;
-      if (best.ok && clocks >= best_clocks) continue;
-      best_clocks = clocks, forward_clocks = est.forward;
-      LaunchPlan l;  // both directions: one layout, each its kernel
-      l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = g.chunk, l.groups = groups;
-      l.bt = bt;
-      best.ok = true, best.forward = best.backward = l;
-      best.forward.fused = fregs || ftf32, best.forward.tf32 = ftf32, best.forward.smem = fwd;
-      best.forward.regs_rows = fsh.nr, best.forward.regs_chunks = fsh.nm;
-      best.backward.fused = regs || btf32, best.backward.tf32 = btf32, best.backward.smem = bwd;
+    const int bs = ceil_div(B, sms / nc), groups = ceil_div(B, bs), bt = batch_tile(bs);
+    if (bs * hs > kThreads * kMaxItems || ceil_div(G * hs, kGridRows) * ceil_div(bs, bt) > kThreads) continue;
+    Geometry g{B, 1, H, nc, hs, bs, 0, Sync::kGrid, 0};
+    int64_t fwd = 0;
+    for (int n = 1; n <= Kp / 16 && g.chunk == 0; ++n) {
+      g.chunk = std::min(Kp, round_up(ceil_div(Kp, n), 16));
+      fwd = GridForwardSmem(g, G, wbytes, bt).total;
+      if (fwd > optin) g.chunk = 0;
     }
+    if (g.chunk == 0) continue;
+    // Each direction with W_hh in registers where the block's rows fit them (fp32): the forward in tf32 on
+    // the tensor cores where a kernel has the shape, else with FMAs.
+    const bool few_pairs = grid_regs_pairs_fit(g, w == Weights::kFP32);
+    const GridTf32FwdShape ftsh(G, H, hs);
+    const bool ftf32 = tf32 && few_pairs && ftsh.ks > 0 && GridTf32FwdSmem(g, ftsh).total <= optin;
+    const GridFwdRegsShape fsh = few_pairs && !ftf32 ? grid_fwd_regs_shape(g, G, optin) : GridFwdRegsShape(G, H, hs, 0, 0);
+    const bool fregs = fsh.nr > 0;
+    if (ftf32) fwd = GridTf32FwdSmem(g, ftsh).total;
+    if (fregs) fwd = GridFwdRegsSmem(g, fsh).total;
+    const GridRegsShape sh(G, H, hs);
+    const bool regs = few_pairs && sh.nr > 0;
+    const int64_t bwd = regs ? grid_regs_smem(g, sh).total : GridBackwardSmem(g, G, wbytes, bt).total;
+    if (bwd > optin) continue;
+    const void* fk = ftf32   ? grid_forward_tf32_kernel(cell, ftsh.mt, ftsh.ks)
+                     : fregs ? grid_forward_regs_kernel(cell, fsh.nr, fsh.nm)
+                             : grid_forward_kernel(cell, w, bt);
+    const void* bk = regs ? grid_backward_regs_kernel(cell, sh.nr) : grid_backward_kernel(cell, w, bt);
+    prepare(fk, device, p.sharedMemPerBlockOptin);
+    prepare(bk, device, p.sharedMemPerBlockOptin);
+    const int resident = std::min(resident_groups(fk, Sync::kGrid, nc, fwd, p), resident_groups(bk, Sync::kGrid, nc, bwd, p));
+    if (resident < groups) continue;
+    const GridClocks est = grid_clocks(G, hs, H, bs, bt, nc, groups, wbytes, fregs ? &fsh : nullptr, regs ? &sh : nullptr,
+                                       ftf32 ? &ftsh : nullptr);
+    const double clocks = est.forward + est.backward;
+    if (best.ok && clocks >= best_clocks) continue;
+    best_clocks = clocks, forward_clocks = est.forward, backward_clocks = est.backward;
+    LaunchPlan l;  // both directions: one layout, each its kernel
+    l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = g.chunk, l.groups = groups;
+    l.bt = bt;
+    best.ok = true, best.forward = best.backward = l;
+    best.forward.fused = fregs || ftf32, best.forward.tf32 = ftf32, best.forward.smem = fwd;
+    best.forward.regs_rows = fsh.nr, best.forward.regs_chunks = fsh.nm;
+    best.backward.fused = regs, best.backward.smem = bwd;
   }
-  if (best.ok && tf32) half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
+  if (best.ok && tf32) {
+    half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
+    half_backward_plan(cell, H, B, sms, p, device, best.backward, backward_clocks);
+  }
 }
 
 Geometry geometry(const LaunchPlan& plan, const Sizes& z, bool reverse) {
@@ -407,11 +423,8 @@ const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   const GridHalfFwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
   return grid_forward_half_kernel(z.cell, sh.mt, sh.ks);
 }
-GridTf32BwdShape tf32_backward_shape(const LaunchPlan& plan, const Sizes& z) {
-  return GridTf32BwdShape(num_gates(z.cell), plan.hs, plan.nc, plan.bs);
-}
-const void* tf32_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
-  return grid_backward_tf32_kernel(z.cell, tf32_backward_shape(plan, z).ntw);
+const void* half_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
+  return grid_backward_half_kernel(z.cell, GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb);
 }
 
 template <typename Args>
@@ -461,12 +474,14 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
   auto which = [](bool fwd, bool bwd) {
     return std::string(" (") + (fwd ? "forward" : "") + (fwd && bwd ? " and " : "") + (bwd ? "backward" : "") + ")";
   };
-  const bool half = f && f->half, fregs = f && f->fused && !half, bregs = b && b->fused;
-  const bool ftf32 = f && f->tf32, btf32 = b && b->tf32;
+  const bool fhalf = f && f->half, bhalf = b && b->half, fregs = f && f->fused && !fhalf, bregs = b && b->fused && !bhalf;
+  const bool ftf32 = f && f->tf32;
   std::string s = f && !f->fused ? ", h staged " + std::to_string(f->chunk) + " columns at a time" : "";
   if (fregs || bregs) s += ", W_hh in registers" + which(fregs, bregs);
-  if (half) s += ", W_hh and h in 16 bits, fp16 products on the tensor cores (forward)";
-  if (ftf32 || btf32) s += ", TF32 products on the tensor cores" + which(ftf32, btf32);
+  if (fhalf || bhalf)
+    s += std::string(fhalf && bhalf ? ", W_hh, h and the gate gradients" : fhalf ? ", W_hh and h" : ", W_hh and the gate gradients") +
+         " in 16 bits, fp16 products on the tensor cores" + which(fhalf, bhalf);
+  if (ftf32) s += ", TF32 products on the tensor cores (forward)";
   return s;
 }
 
@@ -617,13 +632,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   const bool grid = plan.sync == static_cast<int>(Sync::kGrid), local = plan.sync == static_cast<int>(Sync::kLocal);
   at::Tensor xchg, arrivals;
   if (grid) {
-    // TF32: partials of P row groups and the row groups' gate gradients, zeroed, and a counter per row
-    // group and column; the register backward: owner-major partials of nc * ng sources.
+    // 16 bits: the groups' gate gradients and their scales (zeroed: every row read was written, but a
+    // stray NaN would poison a sum); the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
-    if (plan.tf32) {
-      const GridTf32BwdShape sh = tf32_backward_shape(plan, z);
-      xchg = at::zeros({grid_tf32_exchange(g, plan.groups, sh)}, opts);
-      arrivals = at::zeros({grid_tf32_counters(plan.groups, sh)}, opts.dtype(at::kInt));
+    if (plan.half) {
+      xchg = at::zeros({grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)}, opts);
+      arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
     } else {
       xchg = at::empty({plan.fused ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
                                             : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},
@@ -651,7 +665,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
                  xchg.defined() ? xchg.data_ptr<float>() : nullptr,
                  arrivals.defined() ? reinterpret_cast<unsigned*>(arrivals.data_ptr<int>()) : nullptr};
   const Weights stored = stored_weights(z.weights);
-  launch(plan.tf32               ? tf32_backward_kernel(plan, z)
+  launch(plan.half               ? half_backward_kernel(plan, z)
          : grid && plan.fused    ? grid_backward_regs_kernel(z.cell, regs_shape(plan, z).nr)
          : grid                  ? grid_backward_kernel(z.cell, stored, plan.bt)
          : plan.scatter          ? backward_scatter_kernel(z.cell, plan.bt)

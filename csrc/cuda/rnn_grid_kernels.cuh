@@ -111,16 +111,20 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Group n of `groups` cp.async groups (committed in order) landed, for every thread of the block: at
-// most groups - 1 - n may still be in flight (wait_group takes an immediate).
-__device__ __forceinline__ void wait_staged(int n, int groups) {
+// Group n of `groups` cp.async groups (committed in order) landed, for every thread of the block (or,
+// `warp_only`, of the warp that issued them): at most groups - 1 - n may still be in flight (wait_group
+// takes an immediate).
+__device__ __forceinline__ void wait_staged(int n, int groups, bool warp_only = false) {
   switch (min(groups - 1 - n, 3)) {
     case 0: cp_async_wait<0>(); break;
     case 1: cp_async_wait<1>(); break;
     case 2: cp_async_wait<2>(); break;
     default: cp_async_wait<3>(); break;
   }
-  __syncthreads();
+  if (warp_only)
+    __syncwarp();
+  else
+    __syncthreads();
 }
 // x as the TF32 tensor-core products read it, rounded to nearest (the MMA itself would drop the low 13
 // bits: truncation, a bias every step of the recurrence would repeat).
@@ -511,14 +515,14 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
   }
 }
 
-// The step loop both grid backwards share: block set-up done (weights, lengths, dg_s zero, the first
+// The step loop the grid backwards share: block set-up done (weights, lengths, dg_s zero, the first
 // barrier), it runs the cells of this thread's (sample, unit) pairs and the exchange around them. Per
-// step s (from the last): gather(parity, s + 1) sums the partials of step s + 1 (its sums read back by
-// sum_of(b, j)); the cells write the gate gradients to dg_s[b * ldg + k * hs + j]; products(parity, s)
-// writes this block's partial dh_{t-1} of the samples running at s; then the barrier, with the gate
-// gradients' stores and the next step's loads between its arrive and its wait. TF32: dg_s holds the
-// gate gradients rounded to TF32 (only the products read it).
-template <Cell C, int I, bool TF32 = false, typename Gather, typename SumOf, typename Products>
+// step s (from the last): gather(parity, s + 1) makes this block's dh_t from what step s + 1 exchanged
+// (the partials' sums, or the 16-bit kernel's products of the gate gradients; read back by sum_of(b, j));
+// the cells write the gate gradients to dg_s[b * ldg + k * hs + j]; products(parity, s) sends this
+// block's part of the samples running at s (partial dh_{t-1}, or the gate gradients); then the barrier,
+// with the gate gradients' stores and the next step's loads between its arrive and its wait.
+template <Cell C, int I, typename Gather, typename SumOf, typename Products>
 __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const Block& blk, const int* lens,
                                                     float* dg_s, int ldg, GroupBarrier& bar, int smax, Gather&& gather,
                                                     SumOf&& sum_of, Products&& products) {
@@ -572,7 +576,7 @@ __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const
       live[i] = true;
       backward_cell<C, F>(p[i], dh[i], dc[i], ddir[i], rg[i], dn[i]);
 #pragma unroll
-      for (int k = 0; k < G; ++k) dgb[k * hs] = TF32 ? round_tf32(rg[i][k]) : rg[i][k];
+      for (int k = 0; k < G; ++k) dgb[k * hs] = rg[i][k];
     }
     __syncthreads();
     VLSEQ_MARK(1, 2, s);
@@ -739,8 +743,7 @@ __host__ __device__ inline int grid_gather_samples(const Geometry& g, int nsrc) 
   const int per = nsrc * g.hs * 4, fit = 160 * 1024 / per;
   return g.bs <= fit ? g.bs : (fit / 8 > 1 ? fit / 8 : 1) * 8;
 }
-// The shared memory of the backwards that send partials to their owners (this one and the TF32 one,
-// rnn_grid_tf32_kernels.cuh): the step's gate gradients (rows x ldg, rows >= bs, zero past R), the sums
+// The shared memory of the backward that sends partials to their owners: the step's gate gradients (rows x ldg, rows >= bs, zero past R), the sums
 // of the gathered partials (bs x hs), the staged partials of nsrc sources, the lengths.
 struct GridOwnedSmem {
   int dg, red, stage, lens, total;

@@ -1,18 +1,21 @@
-// The grid layout's TF32 kernels (weights "tf32": cuDNN's allow_tf32 mode): the recurrent products on
-// the tensor cores, mma.sync m16n8k8 with W_hh in registers (rounded to TF32 once) as one operand, and h
-// (forward) or the gate gradients (backward) rounded to TF32 where the cells write them as the other;
-// sums and state stay fp32. The cells and the barrier are the fp32 grid kernels' (rnn_grid_kernels.cuh:
-// grid_forward_steps, grid_backward_steps); the forward's exchange too (it all-gathers h), while the
-// backward splits its product two ways (row groups and columns of blocks, below) where the fp32 kernels
-// send every unit's partial sums to its owner. The fp32 register kernels' products took ~16 K clocks a
-// step each way at LSTM 1024 x 32 (twice the FMAs' issue time: shuffles, selects, bookkeeping); these
-// take ~1 K of MMAs, so the step is left with the exchange.
+// The grid layout's kernels for weights "tf32" (cuDNN's allow_tf32 mode), products on the tensor cores:
+// the TF32 forward (mma.sync m16n8k8 with W_hh in registers, rounded to TF32 once, as one operand and h
+// rounded to TF32 where the cells write it as the other), and the forward and the backward with W_hh in 16
+// bits (fp16 m16n8k16 MMAs: W_hh, and h or the gate gradients, with power-of-2 scales; below). Sums and
+// state stay fp32. The cells and the barrier are the fp32 grid kernels' (rnn_grid_kernels.cuh:
+// grid_forward_steps, grid_backward_steps). The fp32 register kernels' products took ~16 K clocks a step
+// each way at LSTM 1024 x 32 (twice the FMAs' issue time: shuffles, selects, bookkeeping); these take ~1 K
+// of MMAs, so the step is left with the exchange.
 //
-// The forward permutes k (the k order inside an MMA is free: the sum is the same set of products) to let
-// one float4 load give a lane its B operands of two k-steps: in the pair of k-steps p (16 columns, c0 ..
-// c0 + 15), lane (g = lane / 4, t = lane % 4) holds slots t and t + 4 of k-step 2p as c0 + 4t and c0 +
+// The TF32 forward permutes k (the k order inside an MMA is free: the sum is the same set of products) to
+// let one float4 load give a lane its B operands of two k-steps: in the pair of k-steps p (16 columns, c0
+// .. c0 + 15), lane (g = lane / 4, t = lane % 4) holds slots t and t + 4 of k-step 2p as c0 + 4t and c0 +
 // 4t + 1, and of k-step 2p + 1 as c0 + 4t + 2 and + 3: its operands are the float4 at c0 + 4t of its
-// sample's h. The backward's A fragments come whole from ldmatrix, in k's own order.
+// sample's h.
+//
+// A TF32 backward (the product split two ways over row groups and columns of blocks, two barriers a step)
+// ran until the twenty-sixth session; the 16-bit backward's step measured 29-36% shorter at every batch it
+// ran (BENCHMARKS.md), so it went (git history: rnn_backward_grid_tf32_kernel).
 #pragma once
 
 #include "rnn_grid_kernels.cuh"
@@ -51,51 +54,6 @@ struct GridTf32FwdSmem {
     total = off;
   }
 };
-
-// The backward splits the product dh = W_hh^T g two ways. Blocks form row groups of kTf32RowGroup = Q
-// consecutive blocks (p = rank / Q) and columns (q = rank % Q). Block (p, q) multiplies the gate
-// gradients of its row group's units (G * Q * 8 rows, all-gathered within the row group) by W_hh's
-// columns of the units its column owns (P = ceil(nc / Q) owners of 8), and sends each owner its partial
-// sums, which the owner sums over the P row groups. A block then moves ~70 KB a step at LSTM 1024 x 32
-// (P = 16): 4 KB of gate gradients out, 32 KB in, 16 KB of partials out and 16 KB in, where sending
-// partials for all H units moved 256 KB (BENCHMARKS.md: 7.5 K clocks to write them, 2.7 K for their
-// wait at the barrier, 7.8 K to gather them, of a 22.6 K step) and all-gathering every gate gradient
-// 512 KB (L2-bound: the gather alone took 30 K clocks), at the price of a second barrier a step, within
-// the row group. MMAs: M = the samples (two m-tiles: at most 32 a group), N = owners (an n-tile of 8
-// units each: hs = 8; ntw of them a warp, warp w owners w + 8n), K = the row group's rows; W_hh in
-// registers as the B fragments, the gate gradients as A fragments from shared memory (ldmatrix). Every
-// (row group, column) pair needs its block, so nc is a multiple of Q (the planner rounds it up: blocks
-// past H hold no units). Its step costs ~9.9 K clocks + ~0.2 K a sample at LSTM 1024 on 128 blocks,
-// the fp32 register backward's ~5.9 K + ~0.7 K (BENCHMARKS.md, fourteenth session): it runs from 8
-// samples a group on.
-constexpr int kTf32RowGroup = 8, kTf32BwdMinSamples = 8;
-struct GridTf32BwdShape {
-  int ntw = 0, P = 0, rows = 0;  // ntw = 0: no kernel fits
-  __host__ __device__ GridTf32BwdShape(int G, int hs, int nc, int bs) {
-    const int P_ = nc / kTf32RowGroup, n = ceil_div(P_, kWarps);
-    if (hs != 8 || nc % kTf32RowGroup != 0 || bs < kTf32BwdMinSamples || bs > 32 || n > 2) return;
-    ntw = n, P = P_, rows = G * kTf32RowGroup * hs;
-  }
-};
-// Its shared memory: the owner's (dg: the cells' gate gradients, red: sums, stage: the gathered
-// partials of P sources, lens), then the row group's gate gradients ([32][rows + 4]: the 16-byte
-// padding puts an ldmatrix block's 8 rows on distinct banks).
-struct GridTf32BwdSmem {
-  GridOwnedSmem own;
-  int gg, total;
-  __host__ __device__ GridTf32BwdSmem(const Geometry& g, int G, const GridTf32BwdShape& sh)
-      : own(g, g.bs, G * g.hs, sh.P) {
-    gg = own.total;
-    total = gg + 32 * (sh.rows + 4) * 4;
-  }
-};
-// Its exchange buffer (zeroed: the rows of units past H are read, never written), in floats:
-// the owners' partials (owned_region, nsrc = P), then the row groups' gate gradients, [parity][group][p]
-// [bs][rows]; and its barriers' counters, [group][P rows, then Q columns].
-inline int64_t grid_tf32_exchange(const Geometry& g, int groups, const GridTf32BwdShape& sh) {
-  return grid_owned_exchange(g, groups, sh.P) + 2 * static_cast<int64_t>(groups) * sh.P * g.bs * sh.rows;
-}
-inline int grid_tf32_counters(int groups, const GridTf32BwdShape& sh) { return groups * (sh.P + kTf32RowGroup); }
 
 // The forward with W_hh in 16 bits (rnn_forward_grid_half_kernel), for weights "tf32" on a layout of its
 // own: W_hh held in fp16 with a power-of-2 scale per row, h exchanged in fp16, the products m16n8k16 fp16
@@ -141,37 +99,82 @@ inline int64_t grid_half_exchange(const Geometry& g, int groups) {
   return static_cast<int64_t>(groups) * g.bs * round_up(g.H, 8);
 }
 
-// The kernels for a cell and shape: rnn_grid_forward_tf32.cu, rnn_grid_backward_tf32.cu.
-const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);
-const void* grid_backward_tf32_kernel(Cell c, int ntw);
+// The backward with W_hh and the gate gradients in 16 bits (rnn_backward_grid_half_kernel), for weights
+// "tf32" on a layout of its own: 16 units a block (LSTM 1024 on 64 blocks: two groups of 16 samples side by
+// side at 32). Each block all-gathers every gate gradient of its group's running samples in fp16 (128 KB a
+// step at 16 samples of LSTM 1024) and multiplies them by its units' columns of W_hh, held in fp16 with a
+// power-of-2 scale per column (as the 16-bit forward's rows): one exchange and one barrier a step, where the
+// TF32 backward's two-way split has two of each and sums partials from 16 sources after the second.
+// - The gate gradients have no bound (|h| < 1 bounded the forward's exchange): a block publishes each
+//   sample's G * 16 of them with a power-of-2 scale of their own that puts the largest in fp16's top binade,
+//   so one loses bits only below 2^-29 of the largest of its block and sample (TF32 keeps the same 11
+//   significant bits, with no such floor).
+// - MMAs m16n8k16: M the block's 16 units (W_hh^T rows, A in registers), N the samples (tiles of 8), K the
+//   group's gate gradients, [source block][gate][unit]: a k16-step is one gate of one source block, so each
+//   source block's products sum on their own and enter the warp's total times its scale. Warp w takes
+//   source blocks w * sb .. w * sb + sb - 1 (nc = 8 sb: LSTM 1024 on 64, 32 k16-steps a warp in 128
+//   registers) and stages only their rows, in cp.async groups of two source blocks: no block barrier for
+//   the staging, and the MMAs of one group run while the next arrive. The warps' sums meet in shared memory.
+// - k is permuted inside a k16-step so that one 8-byte load gives a lane its B operands: lane (g, t) holds
+//   slots 2t, 2t + 1, 2t + 8, 2t + 9 as rows 4t .. 4t + 3 of its sample's gate gradients.
+constexpr int kHalfBwdUnits = 16, kHalfBwdMaxSamples = 16;
+struct GridHalfBwdShape {
+  int sb = 0;  // source blocks a warp (4, 6 or 8: the kernels built); 0: no kernel fits
+  __host__ __device__ GridHalfBwdShape(int hs, int nc, int bs) {
+    const int n = nc / kWarps;
+    if (hs == kHalfBwdUnits && nc % kWarps == 0 && bs <= kHalfBwdMaxSamples && (n == 4 || n == 6 || n == 8)) sb = n;
+  }
+};
+// Its blocks: 16 units each, rounded up to 32, 48 or 64 (the kernels built; the blocks past H hold none); 0
+// past hidden 1024.
+inline int grid_half_backward_blocks(int H) {
+  const int n = ceil_div(H, kHalfBwdUnits);
+  return n <= 32 ? 32 : n <= 48 ? 48 : n <= 64 ? 64 : 0;
+}
+// Its shared memory: the group's gate gradients in fp16 ([b][ldk], ldk = K + 16 halves: the 4 samples of a
+// half warp's 8-byte loads fall on distinct banks), their scales ([b][warp * 8 + i]: source block warp * sb
+// + i), the warps' sums ([warp][b][ldp], as the forwards'), the columns' scales, the cells' gate gradients
+// ([b][G * 16]), the lengths.
+struct GridHalfBwdSmem {
+  int ldk, ldp, gg, gscale, part, wscale, dg, lens, total;
+  __host__ __device__ GridHalfBwdSmem(const Geometry& g, int G) {
+    const int bsp = round_up(g.bs, 8), K = g.nc * G * kHalfBwdUnits;
+    ldk = K + 16, ldp = kHalfBwdUnits + 4;
+    int off = 0;
+    gg = off, off += round_up(bsp * ldk * 2, 16);
+    gscale = off, off += bsp * 8 * kWarps * 4;
+    part = off, off += kWarps * bsp * ldp * 4;
+    wscale = off, off += kHalfBwdUnits * 4;
+    dg = off, off += round_up(g.bs * G * kHalfBwdUnits * 4, 16);
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+// Its exchange, in floats: the gate gradients, [2][groups][bs][K] halves, then their scales, [2][groups][bs]
+// [8 * kWarps].
+inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups) {
+  const int64_t rows = 2 * static_cast<int64_t>(groups) * g.bs;
+  return rows * g.nc * G * kHalfBwdUnits / 2 + rows * 8 * kWarps;
+}
+
+// The kernels for a cell and shape, each in a translation unit of its own.
+const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);   // rnn_grid_forward_tf32.cu
 const void* grid_forward_half_kernel(Cell c, int mt, int ks);  // rnn_grid_forward_half.cu
+const void* grid_backward_half_kernel(Cell c, int sb);          // rnn_grid_backward_half.cu
 
 #if defined(__CUDACC__)
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) { return __float_as_uint(round_tf32(x)); }
 
-// d += a * b: a the 16 x 8 A (a0, a1: slot t of rows g, g + 8; a2, a3: slot t + 4), b its 8 x 8 B (slots
-// t, t + 4 of column g), d the 16 x 8 C (rows g, g + 8; columns 2t, 2t + 1); a and b as TF32 bits.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
+// d += a * b: a the 16 x 8 A as TF32 bits (a[0], a[1]: slot t of rows g, g + 8; a[2], a[3]: slot t + 4),
+// b0, b1 its 8 x 8 B (slots t, t + 4 of column g; TF32 values), d the 16 x 8 C (rows g, g + 8; columns 2t,
+// 2t + 1). The TF32 forward's: W_hh held as A fragments, h read as floats.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], float b0, float b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// The forward's: A (W_hh) held as fragments, B (h) read as floats.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], float b0, float b1) {
-  mma_tf32(d, a[0], a[1], a[2], a[3], __float_as_uint(b0), __float_as_uint(b1));
-}
-
-// A fragments of an m16n8k8 TF32 MMA from shared memory: lanes 8j .. 8j + 7 give the addresses of rows
-// 0-7 (j = 0, 2) or 8-15 (j = 1, 3), k 0-3 (j = 0, 1) or 4-7 (j = 2, 3), 16 bytes each (ldmatrix of
-// 16-bit pairs: a lane gets element t of row g of each 8 x 4 block, which is the fragment's layout).
-__device__ __forceinline__ void ldsm_tf32_a(uint32_t (&a)[4], const float* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(smem_u32(p)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
 // d += a * b in fp16 (m16n8k16, fp32 sums): a the 16 x 16 A (a0, a1: slots 2t, 2t + 1 of rows g, g + 8;
@@ -187,6 +190,17 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The power-of-2 scale that puts m >= 0 (the largest |value| of a set held in fp16) in fp16's top binade,
+// and its inverse: 2^(E - 141) for m's biased exponent E (m in [2^(E-127), 2^(E-126)), so m / scale is in
+// [2^14, 2^15)), at least 2^-126 (a normal float, so that the inverse is finite too); 1 for m not finite
+// (an infinity stays infinite, a NaN NaN). Bit operations: frexpf, ldexpf and a division took ~1 K clocks a
+// step where a warp published two samples' gate gradients.
+__device__ __forceinline__ float2 fp16_scale(float m) {
+  const int E = max(static_cast<int>(__float_as_uint(m) >> 23), 15);
+  if (E >= 255) return make_float2(1.0f, 1.0f);
+  return make_float2(__uint_as_float(static_cast<unsigned>(E - 14) << 23), __uint_as_float(static_cast<unsigned>(268 - E) << 23));
 }
 
 // Whether any of samples n0 .. n0 + 7 runs at step s (the same answer in every lane).
@@ -320,8 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
   float* scale_s = reinterpret_cast<float*>(smem + lay.scale);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
-  // Row r's scale: 2^(e - 15) for its largest |w| = m 2^e, m in [0.5, 1) (1 for a row of zeros or a
-  // padding row, or of an infinity: that stays infinite).
+  // Row r's scale: fp16_scale of its largest |w| (of 0 for a padding row, whose weights stay 0).
   for (int r = warp; r < ROWS; r += kWarps) {
     const float* src = block_row(a.w_hh, G, g, blk, r);
     float m = 0.0f;
@@ -329,9 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
       for (int c = lane; c < H; c += 32) m = fmaxf(m, fabsf(src[c]));
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    int e = 0;
-    frexpf(m, &e);
-    if (lane == 0) scale_s[r] = m > 0.0f && isfinite(m) ? ldexpf(1.0f, max(e - 15, -126)) : 1.0f;  // a normal float
+    if (lane == 0) scale_s[r] = fp16_scale(m).x;
   }
   __syncthreads();
   // A fragments: w[m][k][i] of rows 16m + gr (+ 8), k16-step k of this warp's columns (permuted as above),
@@ -397,113 +408,157 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
 #endif
 }
 
-template <Cell C, int NTW>
-__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(const BackwardArgs a) {
+template <Cell C, int SB>
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(const BackwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int G = C == Cell::kLSTM ? 4 : 3, Q = kTf32RowGroup, ROWS = G * Q * 8, KS = ROWS / 8, LDR = ROWS + 4;
+  static_assert(kWarps == 8 && SB % 2 == 0, "source blocks staged in pairs");
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, U = kHalfBwdUnits, R = G * U, KW = SB * R, NG = SB / 2;
   const Geometry& g = a.g;
-  const int H = g.H, ldg = G * 8;
-  const GridTf32BwdShape sh(G, 8, g.nc, g.bs);
-  const int P = sh.P;
+  const int H = g.H, K = g.nc * R;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
-  const int p = blk.rank / Q, q = blk.rank % Q;  // row group, column (nc = P * Q)
+  const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridTf32BwdSmem lay(g, G, sh);
-  float* dg_s = reinterpret_cast<float*>(smem + lay.own.dg);  // [b][ldg]: gate k of unit j at k * 8 + j
-  float4* red_s = reinterpret_cast<float4*>(smem + lay.own.red);
-  float4* stage_s = reinterpret_cast<float4*>(smem + lay.own.stage);
-  int* lens = reinterpret_cast<int*>(smem + lay.own.lens);
-  float* gg_s = reinterpret_cast<float*>(smem + lay.gg);  // [b][LDR]: row k * Q * 8 + member * 8 + j
+  const GridHalfBwdSmem lay(g, G);
+  const int ldk = lay.ldk, ldp = lay.ldp;
+  __half* gg_s = reinterpret_cast<__half*>(smem + lay.gg);
+  float* gscale_s = reinterpret_cast<float*>(smem + lay.gscale);
+  float* part_s = reinterpret_cast<float*>(smem + lay.part);
+  float* wscale_s = reinterpret_cast<float*>(smem + lay.wscale);
+  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][R]: gate k of unit j at k * U + j
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
-  // B fragments: w[n][ks][i] = W_hh[row][unit] for the row group's row 8 ks + t + 4i (gate k, unit p * Q
-  // * 8 + u) and unit 8 o + gr of owner o = (warp + 8n) * Q + q (zero past H or nc).
-  uint32_t w[NTW][KS][2];
+  // Column j0 + u's scale, fp16_scale of its largest |w| over the G * H rows (of 0 past the block's units):
+  // lanes u and u + 16 of every warp over rows 2 * warp + lane / 16 + 16 i, 64 contiguous bytes a row.
+  {
+    const int u = lane % U;
+    float m = 0.0f;
+    if (u < blk.hv)
+      for (int r = 2 * warp + lane / U; r < G * H; r += 2 * kWarps)
+        m = fmaxf(m, fabsf(a.w_hh[static_cast<int64_t>(r) * H + blk.j0 + u]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, U));
+    if (lane < U) part_s[warp * U + u] = m;
+    __syncthreads();
+    if (tid < U) {
+      float mm = 0.0f;
+      for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, part_s[w * U + tid]);
+      wscale_s[tid] = fp16_scale(mm).x;
+    }
+    __syncthreads();
+  }
+  // A fragments: w[i][k] = W_hh^T of units gr (+ 8) and the rows of gate k of source block q = warp * SB + i,
+  // units q * U + 4t .. + 3 (permuted as above; zero past H or the block's units), over the column's scale.
+  uint32_t w[SB][G][4];
 #pragma unroll
-  for (int n = 0; n < NTW; ++n) {
-    const int owner = (warp + kWarps * n) * Q + q, col = 8 * owner + gr;
+  for (int half = 0; half < 2; ++half) {
+    const int u = gr + 8 * half;
+    const bool mine = u < blk.hv;
+    const float inv = 1.0f / wscale_s[u];
+    const float* col = a.w_hh + blk.j0 + u;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
+    for (int i = 0; i < SB; ++i)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = 8 * ks + t + 4 * i, k = r / (Q * 8), unit = p * Q * 8 + r % (Q * 8);
-        const bool real = owner < g.nc && col < H && unit < H;
-        w[n][ks][i] = tf32_bits(real ? a.w_hh[static_cast<int64_t>(k * H + unit) * H + col] : 0.0f);
+      for (int k = 0; k < G; ++k) {
+        const int r0 = (warp * SB + i) * U + 4 * t;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          v[e] = mine && r0 + e < H ? col[static_cast<int64_t>(k * H + r0 + e) * H] * inv : 0.0f;
+        w[i][k][half] = half2_bits(v[0], v[1]), w[i][k][2 + half] = half2_bits(v[2], v[3]);
       }
   }
-  for (int e = tid; e < g.bs * ldg; e += kThreads) dg_s[e] = 0.0f;
+  for (int e = tid; e < bsp * ldk; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
+  for (int e = tid; e < bsp * 8 * kWarps; e += kThreads) gscale_s[e] = 0.0f;
+  for (int e = tid; e < g.bs * R; e += kThreads) dg_s[e] = 0.0f;  // units past hv stay 0
   load_lengths(lens, a.lengths, g, blk);
-  unsigned* counters = a.arrivals + blk.group * (P + Q);
-  GroupBarrier row_bar{Sync::kGrid, counters + p, static_cast<unsigned>(Q), 0u};
-  GroupBarrier bar{Sync::kGrid, counters + P + q, static_cast<unsigned>(P), 0u};
+  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
 
-  float* const gg_base = a.xchg + grid_owned_exchange(g, blk.groups, P);
-  auto row_group = [&](int parity) {  // this row group's gate gradients at a step of that parity
-    return gg_base + ((static_cast<int64_t>(parity) * blk.groups + blk.group) * P + p) * g.bs * ROWS;
+  // The exchange: a step of parity p's gate gradients of sample b, source block q, at gates(p) + b * K + q *
+  // R; their scale at scales(p) + b * 8 * kWarps + (q / SB) * 8 + q % SB.
+  auto gates = [&](int parity) {
+    return reinterpret_cast<__half*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * K;
   };
+  float* const scale_base = a.xchg + 2 * static_cast<int64_t>(blk.groups) * g.bs * K / 2;
+  auto scales = [&](int parity) {
+    return scale_base + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * 8 * kWarps;
+  };
+  // dh of step s_next - 1 for this block's units: the gate gradients of step s_next (parity) of the samples
+  // running then, this warp's source blocks staged and multiplied, the warps' sums to part_s.
   auto gather = [&](int parity, int s_next) {
-    gather_owned_partials(owned_region(a, blk, parity, blk.rank, P), lens, s_next, bv, P, g, stage_s, red_s);
-  };
-  auto sum_of = [&](int b, int j) { return reinterpret_cast<const float*>(red_s)[b * 8 + j]; };
-  // Lanes 8j .. 8j + 7 give ldmatrix the rows of block j (rows + 8, k + 4) in every k-step.
-  const float* const lane_a = gg_s + (8 * ((lane / 8) & 1) + lane % 8) * LDR + 4 * (lane / 16);
-  auto products = [&](int cur, int s) {
-    // This block's gate gradients of the samples running at s to its row group, a float4 a thread.
-    float* rg = row_group(cur);
-    for (int e = tid; e < bv * 2 * G; e += kThreads) {
-      const int b = e / (2 * G), r = e - b * 2 * G, k = r / 2, h = r - 2 * k;
-      if (s >= lens[b] || blk.j0 + 4 * h >= H) continue;
-      __stcg(reinterpret_cast<float4*>(rg + b * ROWS + k * Q * 8 + q * 8 + 4 * h),
-             *reinterpret_cast<const float4*>(dg_s + b * ldg + k * 8 + 4 * h));
-    }
-    row_bar.arrive();
-    row_bar.wait();
-    // The row group's, staged (only the running samples' rows: the others' products are not read).
-    for (int e = tid; e < bv * (ROWS / 4); e += kThreads) {
-      const int b = e / (ROWS / 4), c4 = e - b * (ROWS / 4);
-      if (s < lens[b]) cp_async16(gg_s + b * LDR + 4 * c4, rg + b * ROWS + 4 * c4);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const unsigned run = __ballot_sync(0xffffffffu, lane < bv && s < lens[lane]);  // bit b: sample b runs
-    float acc[2][NTW][4];
+    const __half* src = gates(parity) + warp * KW;
+    const float* ssrc = scales(parity) + warp * 8;
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int n = 0; n < NTW; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        if (((run >> (16 * m)) & 0xffffu) == 0) continue;
-        uint32_t x[4];
-        ldsm_tf32_a(x, lane_a + 16 * m * LDR + 8 * ks);
-#pragma unroll
-        for (int n = 0; n < NTW; ++n) mma_tf32(acc[m][n], x[0], x[1], x[2], x[3], w[n][ks][0], w[n][ks][1]);
+    for (int n = 0; n < NG; ++n) {
+      constexpr int C16 = 2 * R / 8;  // 16-byte chunks of a sample's two source blocks
+      for (int e = lane; e < bv * C16; e += 32) {
+        const int b = e / C16, c = e - b * C16;
+        if (s_next < lens[b])
+          cp_async16(gg_s + b * ldk + warp * KW + n * 2 * R + 8 * c, src + static_cast<int64_t>(b) * K + n * 2 * R + 8 * c);
       }
-    // C: samples 16m + gr (+ 8), units 2t and 2t + 1 of owner n's 8: to its region, source p (lanes t
-    // fill a 32-byte sector).
+      if (n == 0)
+        for (int e = lane; e < 2 * bv; e += 32)
+          if (s_next < lens[e / 2])
+            cp_async16(gscale_s + (e / 2) * 8 * kWarps + warp * 8 + 4 * (e % 2), ssrc + (e / 2) * 8 * kWarps + 4 * (e % 2));
+      cp_async_commit();
+    }
+    const bool run0 = tile_runs(lens, 0, bv, s_next), run1 = tiles > 1 && tile_runs(lens, 8, bv, s_next);
+    float tot[2][4] = {};
 #pragma unroll
-    for (int n = 0; n < NTW; ++n) {
-      const int owner = (warp + kWarps * n) * Q + q;
-      if (owner >= g.nc) continue;
-      float* region = owned_region(a, blk, cur, owner, P) + p * 8 + 2 * t;
+    for (int n = 0; n < NG; ++n) {
+      wait_staged(n, NG, true);
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
+      for (int i = 2 * n; i < 2 * n + 2; ++i)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int b = 16 * m + gr + 8 * h;
-          if (b < bv && s < lens[b])
-            __stcg(reinterpret_cast<float2*>(region + static_cast<int64_t>(b) * P * 8),
-                   make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]));
+        for (int m = 0; m < 2; ++m) {
+          if (!(m ? run1 : run0)) continue;
+          const __half* gb = gg_s + (8 * m + gr) * ldk + warp * KW + i * R + 4 * t;
+          float p[4] = {};
+#pragma unroll
+          for (int k = 0; k < G; ++k) {
+            const uint2 x = *reinterpret_cast<const uint2*>(gb + k * U);
+            mma_f16(p, w[i][k], x.x, x.y);
+          }
+          // C: units gr (+ 8), samples 8m + 2t (+ 1): each sample's sums times its scale for source block i.
+          const float s0 = gscale_s[(8 * m + 2 * t) * 8 * kWarps + warp * 8 + i];
+          const float s1 = gscale_s[(8 * m + 2 * t + 1) * 8 * kWarps + warp * 8 + i];
+          tot[m][0] += p[0] * s0, tot[m][1] += p[1] * s1, tot[m][2] += p[2] * s0, tot[m][3] += p[3] * s1;
         }
     }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+      if (m < tiles)  // (bsp = 8 * tiles: a second tile's rows would be the next warp's)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          part_s[(warp * bsp + 8 * m + 2 * t + (e & 1)) * ldp + gr + 8 * (e / 2)] = tot[m][e];
+    __syncthreads();
   };
-  // One (sample, unit) pair a thread: at most 32 samples of 8 units.
-  grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, ldg, bar, smax, gather, sum_of, products);
+  auto sum_of = [&](int b, int j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kWarps; ++q) v += part_s[(q * bsp + b) * ldp + j];
+    return v * wscale_s[j];
+  };
+  // This block's gate gradients of the samples running at s to the exchange, a warp per sample: scaled by
+  // fp16_scale of their largest, two a lane (a warp's stores: one 128-byte run).
+  auto publish = [&](int cur, int s) {
+    for (int b = warp; b < bv; b += kWarps) {
+      if (s >= lens[b]) continue;
+      const bool two = 2 * lane < R;
+      const float v0 = two ? dg_s[b * R + 2 * lane] : 0.0f, v1 = two ? dg_s[b * R + 2 * lane + 1] : 0.0f;
+      float m = fmaxf(fabsf(v0), fabsf(v1));
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float2 scale = fp16_scale(m);  // (scale, 1 / scale)
+      if (two)
+        __stcg(reinterpret_cast<unsigned*>(gates(cur) + static_cast<int64_t>(b) * K + blk.rank * R + 2 * lane),
+               half2_bits(v0 * scale.y, v1 * scale.y));
+      if (lane == 0) __stcg(scales(cur) + b * 8 * kWarps + (blk.rank / SB) * 8 + blk.rank % SB, scale.x);
+    }
+  };
+  // One (sample, unit) pair a thread: at most 16 samples of 16 units.
+  grid_backward_steps<C, 1>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, publish);
 #endif
 }
 
@@ -531,14 +586,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_tf32_kernel(con
   if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8>);           \
   if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8>);
-// The backward's for a cell and owners a warp (1 or 2).
-#define VLSEQ_RNN_GRID_TF32_BWD_TABLE(NAME, KERNEL)                                               \
-  const void* NAME(Cell c, int ntw) {                                                             \
-    if (c == Cell::kLSTM) return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 1>) \
-                                          : reinterpret_cast<const void*>(&KERNEL<Cell::kLSTM, 2>); \
-    return ntw == 1 ? reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 1>)                        \
-                    : reinterpret_cast<const void*>(&KERNEL<Cell::kGRU, 2>);                       \
+// The 16-bit backward's for a cell and source blocks a warp (4, 6 or 8).
+#define VLSEQ_RNN_GRID_HALF_BWD_TABLE(NAME, KERNEL)                     \
+  const void* NAME(Cell c, int sb) {                                    \
+    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_BWD_CASES(KERNEL, Cell::kLSTM) } \
+    VLSEQ_RNN_GRID_HALF_BWD_CASES(KERNEL, Cell::kGRU)                   \
   }
+#define VLSEQ_RNN_GRID_HALF_BWD_CASES(KERNEL, CELL)                  \
+  if (sb == 4) return reinterpret_cast<const void*>(&KERNEL<CELL, 4>); \
+  if (sb == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 6>); \
+  return reinterpret_cast<const void*>(&KERNEL<CELL, 8>);
 
 #endif  // __CUDACC__
 
