@@ -231,15 +231,17 @@ def test_trainer_swaps_the_models_rnns_and_keeps_its_parameters():
 
 
 def test_auto_follows_the_measured_rule(monkeypatch):
-    """auto: cuDNN for unpadded input up to hidden 64 or under bf16 autocast (and for grid layouts with
-    16+ samples per block under it); the kernels otherwise, grid layouts with TF32 on or off, training or
-    not (modules.AUTO_CUDNN_* and BENCHMARKS.md)."""
+    """auto: cuDNN for unpadded input up to hidden 64, and under bf16 autocast for layers only the kernels
+    holding W_hh in bfloat16 hold; the kernels otherwise, grid layouts with TF32 on or off, training or
+    not, bf16 on the tf32 kernels (modules.AUTO_* and BENCHMARKS.md)."""
     monkeypatch.setattr(modules, "CPU_KERNELS", True)
     x = torch.randn(2, 3, 4)
+    cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block"
 
-    def choice(hidden, padded, plan="cluster 16 blocks x 1 groups, 16 units and 1 samples per block"):
+    def choice(hidden, padded, plan=cluster, bf16_plan=None):
         m = vnn.LSTM(4, hidden, kernels="auto")
-        monkeypatch.setattr(m, "_plan", lambda batch, device: plan)
+        monkeypatch.setattr(m, "_plan", lambda batch, device, max_blocks=0, weights="fp32":
+                            bf16_plan if weights == "bf16" else plan)
         return m.uses_kernels(x, 2, padded)
 
     assert not choice(64, padded=False) and choice(64, padded=True) and choice(65, padded=False)
@@ -251,3 +253,10 @@ def test_auto_follows_the_measured_rule(monkeypatch):
         with torch.no_grad():
             assert choice(1024, False, grid.format(32)) and choice(1024, True, grid.format(16))
             assert choice(512, False, grid.format(6))
+    # bf16 autocast: the kernels where the plan runs the tf32 ones on W_hh rounded to bfloat16, padded or not
+    # (but unpadded hidden 64); cuDNN where only the kernels holding W_hh in bfloat16 hold the layer
+    monkeypatch.setattr(vnn.functional, "precision_for", lambda x: "bf16")
+    rounded = ", W_hh rounded to bfloat16"
+    assert choice(256, False, bf16_plan=cluster + rounded) and choice(1024, False, bf16_plan=grid.format(16) + rounded)
+    assert choice(1024, True, bf16_plan=grid.format(16) + rounded) and not choice(64, False, bf16_plan=cluster + rounded)
+    assert not choice(1400, False, bf16_plan=grid.format(8)) and not choice(1400, True, bf16_plan=grid.format(8))

@@ -297,8 +297,10 @@ def rnn_forward(cell: str, xproj: Tensor, w_hh: Tensor, b_hh: Optional[Tensor], 
     csrc/include/vlseq/rnn.h for shapes and what each holds. `cell`: "lstm" | "gru"; `weights`:
     "fp32" | "tf32" | "bf16" (the recurrent products' precision: "tf32" runs them on the tensor cores
     where the grid layout has a kernel for the shape, the forward's from 8 samples a group with W_hh and
-    h in fp16, W_hh scaled by a power of 2 per row (TF32's 11 significant bits), as fp32 elsewhere and on
-    the CPU; state and sums stay fp32). All
+    h in fp16, W_hh scaled by a power of 2 per row (TF32's 11 significant bits), the backward's from 2
+    samples with W_hh and the gate gradients in fp16 (scaled per column, and per block and sample), as
+    fp32 elsewhere and on the CPU; "bf16" rounds W_hh to bfloat16, then runs as "tf32" where that holds
+    the layer, else holds W_hh in bfloat16 on chip; state and sums stay fp32). All
     float32 and contiguous on one device, lengths int64 there (clamped to [0, T] by the kernels).
     On CUDA one persistent launch runs every step (csrc/cuda/rnn.cu), planned for at most
     `max_blocks` SMs (0: the whole GPU; rnn_backward must get the same). Writes only new tensors."""

@@ -58,6 +58,9 @@ struct LayerPlan {
   bool ok = false;
   std::string why_not;  // when !ok: why the kernels cannot hold this layer
   LaunchPlan forward, backward;
+  // Weights bf16 on the tf32 plan: W_hh rounded to bfloat16 once a call, then the tf32 kernels (which
+  // measured faster than those holding W_hh in bfloat16 wherever both held the layer).
+  bool bf16_as_tf32 = false;
   std::string describe() const;
 };
 

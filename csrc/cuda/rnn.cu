@@ -468,6 +468,15 @@ std::string layout_text(const LaunchPlan& l) {
 }
 std::string kib(int64_t bytes) { return std::to_string(bytes / 1024); }
 
+// A bf16 layer on the tf32 plan (LayerPlan::bf16_as_tf32): that plan, its sizes, and W_hh rounded to bfloat16.
+std::tuple<LayerPlan, Sizes, at::Tensor> as_tf32(const LayerPlan& layer, const Sizes& z, const at::Tensor& w_hh) {
+  LayerPlan plan = layer;
+  plan.bf16_as_tf32 = false;
+  Sizes sizes = z;
+  sizes.weights = Weights::kTF32;
+  return {plan, sizes, w_hh.to(at::kBFloat16).to(at::kFloat)};
+}
+
 // The grid kernels of the launches given (f, b: the forward's, the backward's; null: not described here),
 // "(forward and backward)" saying which direction each applies to.
 std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
@@ -493,6 +502,11 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
 // layouts).
 std::string LayerPlan::describe() const {
   if (!ok) return "";
+  if (bf16_as_tf32) {
+    LayerPlan plan = *this;
+    plan.bf16_as_tf32 = false;
+    return plan.describe() + ", W_hh rounded to bfloat16";
+  }
   const LaunchPlan &f = forward, &b = backward;
   const bool grid = f.sync == static_cast<int>(Sync::kGrid);
   if (grid && !f.same_layout(b))
@@ -517,6 +531,13 @@ std::string LayerPlan::describe() const {
 }
 
 LayerPlan plan_layer(Cell cell, Weights weights, int64_t hidden, int64_t batch, int device, int64_t max_blocks) {
+  if (weights == Weights::kBF16) {  // the tf32 plan where there is one (LayerPlan::bf16_as_tf32)
+    LayerPlan plan = plan_layer(cell, Weights::kTF32, hidden, batch, device, max_blocks);
+    if (plan.ok) {
+      plan.bf16_as_tf32 = true;
+      return plan;
+    }
+  }
   using Key = std::tuple<int, int, int64_t, int64_t, int, int64_t>;
   static std::map<Key, LayerPlan> cache;
   const Key key{static_cast<int>(cell), static_cast<int>(weights), hidden, batch, device, max_blocks};
@@ -570,6 +591,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
     const LayerPlan& layer, const Sizes& z, const at::Tensor& xproj, const at::Tensor& w_hh,
     const std::optional<at::Tensor>& b_hh, const at::Tensor& h0, const std::optional<at::Tensor>& c0,
     const at::Tensor& lengths, bool reverse) {
+  if (layer.bf16_as_tf32) {
+    const auto [tf32, zt, w] = as_tf32(layer, z, w_hh);
+    return forward_run(tf32, zt, xproj, w, b_hh, h0, c0, lengths, reverse);
+  }
   c10::cuda::CUDAGuard guard(xproj.device());
   const LaunchPlan& plan = layer.forward;
   const bool lstm = z.cell == Cell::kLSTM;
@@ -620,6 +645,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
     const at::Tensor& cs, const at::Tensor& h0, const std::optional<at::Tensor>& c0, const at::Tensor& lengths,
     const std::optional<at::Tensor>& dy, const std::optional<at::Tensor>& dh_n, const std::optional<at::Tensor>& dc_n,
     bool reverse) {
+  if (layer.bf16_as_tf32) {
+    const auto [tf32, zt, w] = as_tf32(layer, z, w_hh);
+    return backward_run(tf32, zt, w, y, saved, cs, h0, c0, lengths, dy, dh_n, dc_n, reverse);
+  }
   c10::cuda::CUDAGuard guard(y.device());
   const LaunchPlan& plan = layer.backward;
   const bool lstm = z.cell == Cell::kLSTM;

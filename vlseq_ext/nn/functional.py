@@ -10,8 +10,9 @@ Precision: "fp32" keeps everything in float32 (the GEMMs follow torch.backends.c
 off by default); "tf32" (chosen where cuDNN would run TF32: torch.backends.cudnn.allow_tf32, on by
 default) runs the GEMMs (input projections, input and weight gradients) in TF32 on the tensor cores
 (ops.mm_tf32) and the recurrent products of the grid layout (hidden ~440 and up) there too, as cuDNN's
-RNNs run both under that flag; "bf16" (chosen under bf16 autocast) runs the GEMMs in bfloat16 and holds
-W_hh in bfloat16 on chip. State and accumulation are float32 in every mode.
+RNNs run both under that flag; "bf16" (chosen under bf16 autocast) runs the GEMMs in bfloat16 and the
+recurrence with W_hh rounded to bfloat16 (on the tf32 kernels where they hold the layer). State and
+accumulation are float32 in every mode.
 """
 from __future__ import annotations
 
