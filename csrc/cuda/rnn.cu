@@ -316,7 +316,7 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
 
 // The backward with W_hh and the gate gradients in 16 bits on a layout of its own, where its estimate beats
 // `clocks`, the chosen backward's: 16 units a block on 32, 48 or 64 blocks, as many groups as the SMs hold,
-// at most kHalfBwdMaxSamples samples each, from 2 samples on. Its step measured 29-36% shorter than the TF32
+// at most kHalfBwdMaxSamples samples each, from 2 samples on. Its step measured 30-32% shorter than the TF32
 // backward's (gone since) and the fp32 register one's from 2 samples on (LSTM 1024, 2 groups of 16 samples
 // on 64 blocks: 11,328 clocks, against 16,235 for 32 on 128; 2 groups of 1: 5,979 against ~6,600), but
 // the same at one (5,992 against 5,936), where the fp32 kernel keeps fp32 (BENCHMARKS.md, twenty-sixth

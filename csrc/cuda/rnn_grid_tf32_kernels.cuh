@@ -14,7 +14,7 @@
 // sample's h.
 //
 // A TF32 backward (the product split two ways over row groups and columns of blocks, two barriers a step)
-// ran until the twenty-sixth session; the 16-bit backward's step measured 29-36% shorter at every batch it
+// ran until the twenty-sixth session; the 16-bit backward's step measured 30-32% shorter at every batch it
 // ran (BENCHMARKS.md), so it went (git history: rnn_backward_grid_tf32_kernel).
 #pragma once
 
