@@ -280,6 +280,14 @@ void cluster_plan(Cell cell, Weights precision, int H, int B, int nc, int sms, c
   }
 }
 
+// A launch of a kernel with W_hh in 16 bits, on a grid layout of its own.
+LaunchPlan half_launch(int nc, int hs, int bs, int groups, int64_t smem) {
+  LaunchPlan l;
+  l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = 8;
+  l.fused = l.half = true, l.smem = smem;
+  return l;
+}
+
 // The forward with W_hh in 16 bits on a layout of its own (the forward and the backward share only global
 // tensors), where its estimate beats `clocks`, the chosen forward's: 33-64 rows a block (3-4 m-tiles: LSTM
 // hidden 1024 on 64 blocks), as many groups as the SMs hold with at least kHalfFwdMinSamples samples each.
@@ -307,10 +315,7 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
     const double c = half_forward_clocks(sh, H, bs);
     if (c >= clocks) continue;
     clocks = c;
-    LaunchPlan l;
-    l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = hs, l.bs = bs, l.chunk = bs, l.groups = groups, l.bt = 8;
-    l.fused = l.half = true, l.smem = smem;
-    forward = l;
+    forward = half_launch(nc, hs, bs, groups, smem);
   }
 }
 
@@ -335,10 +340,7 @@ void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& 
   const void* kernel = grid_backward_half_kernel(cell, sh.sb);
   prepare(kernel, device, p.sharedMemPerBlockOptin);
   if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups || half_backward_clocks(sh, G, nc, bs) >= clocks) return;
-  LaunchPlan l;
-  l.sync = static_cast<int>(Sync::kGrid), l.nc = nc, l.hs = kHalfBwdUnits, l.bs = bs, l.chunk = bs, l.groups = groups;
-  l.bt = 8, l.fused = l.half = true, l.smem = smem;
-  backward = l;
+  backward = half_launch(nc, kHalfBwdUnits, bs, groups, smem);
 }
 
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once

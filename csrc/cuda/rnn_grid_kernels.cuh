@@ -743,13 +743,14 @@ __host__ __device__ inline int grid_gather_samples(const Geometry& g, int nsrc) 
   const int per = nsrc * g.hs * 4, fit = 160 * 1024 / per;
   return g.bs <= fit ? g.bs : (fit / 8 > 1 ? fit / 8 : 1) * 8;
 }
-// The shared memory of the backward that sends partials to their owners: the step's gate gradients (rows x ldg, rows >= bs, zero past R), the sums
-// of the gathered partials (bs x hs), the staged partials of nsrc sources, the lengths.
+// The shared memory of the backward that sends partials to their owners: the step's gate gradients
+// (bs x ldg, zero past R), the sums of the gathered partials (bs x hs), the staged partials of nsrc
+// sources, the lengths.
 struct GridOwnedSmem {
   int dg, red, stage, lens, total;
-  __host__ __device__ GridOwnedSmem(const Geometry& g, int rows, int ldg, int nsrc) {
+  __host__ __device__ GridOwnedSmem(const Geometry& g, int ldg, int nsrc) {
     int off = 0;
-    dg = off, off += round_up(rows * ldg * 4, 16);
+    dg = off, off += round_up(g.bs * ldg * 4, 16);
     red = off, off += round_up(g.bs * g.hs * 4, 16);
     stage = off, off += grid_gather_samples(g, nsrc) * nsrc * g.hs * 4;
     lens = off, off += round_up(g.bs * 4, 16);
@@ -757,7 +758,7 @@ struct GridOwnedSmem {
   }
 };
 __host__ __device__ inline GridOwnedSmem grid_regs_smem(const Geometry& g, const GridRegsShape& sh) {
-  return GridOwnedSmem(g, g.bs, sh.ng * sh.nr, g.nc * sh.ng);
+  return GridOwnedSmem(g, sh.ng * sh.nr, g.nc * sh.ng);
 }
 // Floats of their exchange buffer: two parities of every group's nc owners x bs samples x nsrc sources x hs.
 __host__ __device__ inline int64_t grid_owned_exchange(const Geometry& g, int groups, int nsrc) {

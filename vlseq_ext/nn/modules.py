@@ -10,7 +10,6 @@ backward through the kernels is not supported (it raises).
 """
 from __future__ import annotations
 
-import re
 import warnings
 from typing import List, Optional, Set
 
