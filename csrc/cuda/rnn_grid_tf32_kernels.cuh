@@ -18,6 +18,8 @@
 // ran (BENCHMARKS.md), so it went (git history: rnn_backward_grid_tf32_kernel).
 #pragma once
 
+#include <type_traits>
+
 #include "rnn_grid_kernels.cuh"
 
 namespace vlseq::rnn {
@@ -413,15 +415,18 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kWarps == 8 && SB % 2 == 0, "source blocks staged in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, U = kHalfBwdUnits, R = G * U, KW = SB * R, NG = SB / 2;
+  // The gathered row of a sample: nc = kWarps * SB source blocks (GridHalfBwdShape), known here, so that
+  // the staging's and the products' offsets are immediates.
+  constexpr int K = kWarps * SB * R, LDK = K + 16;
   const Geometry& g = a.g;
-  const int H = g.H, K = g.nc * R;
+  const int H = g.H;
   const Block blk(g);
   const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridHalfBwdSmem lay(g, G);
-  const int ldk = lay.ldk, ldp = lay.ldp;
+  const GridHalfBwdSmem lay(g, G);  // (its ldk: LDK)
+  const int ldp = lay.ldp;
   __half* gg_s = reinterpret_cast<__half*>(smem + lay.gg);
   float* gscale_s = reinterpret_cast<float*>(smem + lay.gscale);
   float* part_s = reinterpret_cast<float*>(smem + lay.part);
@@ -468,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
         w[i][k][half] = half2_bits(v[0], v[1]), w[i][k][2 + half] = half2_bits(v[2], v[3]);
       }
   }
-  for (int e = tid; e < bsp * ldk; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
+  for (int e = tid; e < bsp * LDK; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
   for (int e = tid; e < bsp * 8 * kWarps; e += kThreads) gscale_s[e] = 0.0f;
   for (int e = tid; e < g.bs * R; e += kThreads) dg_s[e] = 0.0f;  // units past hv stay 0
   load_lengths(lens, a.lengths, g, blk);
@@ -484,47 +489,76 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   auto scales = [&](int parity) {
     return scale_base + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * 8 * kWarps;
   };
+  // The staging's lanes: lane (b0, c) = (lane / 16, lane % 16) copies 16-byte chunk c of each of its
+  // group's two source blocks of samples b0, b0 + 2, ..., b0 + 14 (the lanes past C16 chunks copy none), so
+  // that every copy is at a constant offset from the lane's first (immediates in the instructions: where
+  // each copy computed its sample, chunk and 64-bit address, the staging took ~960 of the warp's ~1,400
+  // instructions a step; twenty-seventh session, Nsight Compute).
+  constexpr int C16 = 2 * R / 8;  // 16-byte chunks of a sample's two source blocks: 16 (LSTM), 12 (GRU)
+  const int b0 = lane / 16, c16 = lane % 16;
   // dh of step s_next - 1 for this block's units: the gate gradients of step s_next (parity) of the samples
   // running then, this warp's source blocks staged and multiplied, the warps' sums to part_s.
   auto gather = [&](int parity, int s_next) {
-    const __half* src = gates(parity) + warp * KW;
-    const float* ssrc = scales(parity) + warp * 8;
+    unsigned staged = 0;  // bit j: sample b0 + 2j runs at s_next (this lane copies its chunk)
+#pragma unroll
+    for (int j = 0; j < kHalfBwdMaxSamples / 2; ++j) {
+      const int b = b0 + 2 * j;
+      if (c16 < C16 && b < bv && s_next < lens[b]) staged |= 1u << j;
+    }
+    const __half* src = gates(parity) + b0 * K + warp * KW + 8 * c16;
+    __half* dst = gg_s + b0 * LDK + warp * KW + 8 * c16;
 #pragma unroll
     for (int n = 0; n < NG; ++n) {
-      constexpr int C16 = 2 * R / 8;  // 16-byte chunks of a sample's two source blocks
-      for (int e = lane; e < bv * C16; e += 32) {
-        const int b = e / C16, c = e - b * C16;
-        if (s_next < lens[b])
-          cp_async16(gg_s + b * ldk + warp * KW + n * 2 * R + 8 * c, src + static_cast<int64_t>(b) * K + n * 2 * R + 8 * c);
+#pragma unroll
+      for (int j = 0; j < kHalfBwdMaxSamples / 2; ++j)
+        if (staged >> j & 1u) cp_async16(dst + 2 * j * LDK + n * 2 * R, src + 2 * j * K + n * 2 * R);
+      if (n == 0 && lane < 2 * bv && s_next < lens[lane / 2]) {  // the samples' scales of this warp's blocks
+        const int e = (lane / 2) * 8 * kWarps + 4 * (lane % 2);
+        cp_async16(gscale_s + e + warp * 8, scales(parity) + e + warp * 8);
       }
-      if (n == 0)
-        for (int e = lane; e < 2 * bv; e += 32)
-          if (s_next < lens[e / 2])
-            cp_async16(gscale_s + (e / 2) * 8 * kWarps + warp * 8 + 4 * (e % 2), ssrc + (e / 2) * 8 * kWarps + 4 * (e % 2));
       cp_async_commit();
     }
     const bool run0 = tile_runs(lens, 0, bv, s_next), run1 = tiles > 1 && tile_runs(lens, 8, bv, s_next);
     float tot[2][4] = {};
+    // Group n's products for the tiles M0 .. M0 + NT - 1: the 2 * NT chains of G MMAs (one per source
+    // block and tile, each with its own scales) interleaved, where one chain at a time left the tensor
+    // pipe waiting on each MMA's result.
+    auto products = [&](int n, auto m0, auto nt) {
+      constexpr int M0 = decltype(m0)::value, NT = decltype(nt)::value;
+      float p[2][NT][4] = {};
+#pragma unroll
+      for (int k = 0; k < G; ++k)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int m = 0; m < NT; ++m) {
+            const uint2 x = *reinterpret_cast<const uint2*>(gg_s + (8 * (M0 + m) + gr) * LDK + warp * KW +
+                                                            (2 * n + i) * R + k * U + 4 * t);
+            mma_f16(p[i][m], w[2 * n + i][k], x.x, x.y);
+          }
+      // C: units gr (+ 8), samples 8m + 2t (+ 1): each sample's sums times its scale for the source block.
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int m = 0; m < NT; ++m) {
+          const float* sc = gscale_s + (8 * (M0 + m) + 2 * t) * 8 * kWarps + warp * 8 + 2 * n + i;
+          const float s0 = sc[0], s1 = sc[8 * kWarps];
+          float(&d)[4] = tot[M0 + m];
+          d[0] += p[i][m][0] * s0, d[1] += p[i][m][1] * s1, d[2] += p[i][m][2] * s0, d[3] += p[i][m][3] * s1;
+        }
+    };
+    using I0 = std::integral_constant<int, 0>;
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
 #pragma unroll
     for (int n = 0; n < NG; ++n) {
       wait_staged(n, NG, true);
-#pragma unroll
-      for (int i = 2 * n; i < 2 * n + 2; ++i)
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          if (!(m ? run1 : run0)) continue;
-          const __half* gb = gg_s + (8 * m + gr) * ldk + warp * KW + i * R + 4 * t;
-          float p[4] = {};
-#pragma unroll
-          for (int k = 0; k < G; ++k) {
-            const uint2 x = *reinterpret_cast<const uint2*>(gb + k * U);
-            mma_f16(p, w[i][k], x.x, x.y);
-          }
-          // C: units gr (+ 8), samples 8m + 2t (+ 1): each sample's sums times its scale for source block i.
-          const float s0 = gscale_s[(8 * m + 2 * t) * 8 * kWarps + warp * 8 + i];
-          const float s1 = gscale_s[(8 * m + 2 * t + 1) * 8 * kWarps + warp * 8 + i];
-          tot[m][0] += p[0] * s0, tot[m][1] += p[1] * s1, tot[m][2] += p[2] * s0, tot[m][3] += p[3] * s1;
-        }
+      if (run0 && run1)
+        products(n, I0{}, I2{});
+      else if (run0)
+        products(n, I0{}, I1{});
+      else if (run1)
+        products(n, I1{}, I1{});
     }
 #pragma unroll
     for (int m = 0; m < 2; ++m)
