@@ -35,9 +35,9 @@ KERNEL_CHOICES = ("auto", "vlseq", "cudnn")
 #   session). Elsewhere bf16 runs on the tf32 kernels with W_hh rounded to bfloat16 (the plan says so).
 # Everywhere else ours measured faster: 2.55-4.1x at hidden 256, 3.96x at hidden 512 and 2.5x at 1024
 # for one sample, 2.9-11x on batches with per-sample lengths, which cuDNN runs packed, and LSTM 1024 at
-# batch 32 2.0x of cuDNN in fp32 and 3.05x in TF32 (where cuDNN runs TF32, so do ours); under bf16
-# autocast, on the tf32 kernels, 2.11x cuDNN's bf16 at LSTM 256 x 2 and 1.52x at LSTM 1024, batch 32
-# (twenty-sixth session, run 3).
+# batch 32 2.0x of cuDNN in fp32 and 3.2x in TF32 (where cuDNN runs TF32, so do ours); under bf16
+# autocast, on the tf32 kernels, 2.11x cuDNN's bf16 at LSTM 256 x 2 (twenty-sixth session, run 3) and
+# 1.64x at LSTM 1024, batch 32 (twenty-seventh session, run 4).
 AUTO_CUDNN_MAX_HIDDEN = 64
 AUTO_BF16_PLAN = "W_hh rounded to bfloat16"
 
