@@ -125,6 +125,24 @@ def test_calls_of_any_shape_and_state_join_one_batch(rand, path):
                 torch.testing.assert_close(t, s, rtol=1e-5, atol=1e-6)
 
 
+def test_a_gathered_batch_runs_as_host_bound(rand, monkeypatch):
+    """The passes' joined calls, a batch of one included, are planned as host-bound (no grid stack
+    pipelined: concurrency.pipeline_layout says why); a call outside a gatherer is not."""
+    monkeypatch.setattr(modules, "CPU_KERNELS", True)
+    torch.manual_seed(rand.seed % 2**31)
+    rnn = vnn.LSTM(3, 4, num_layers=2, batch_first=True)
+    seen = []
+    layout = rnn._layout
+    rnn._layout = lambda *args: seen.append(args[-1]) or layout(*args)
+    xs = [rand.randn(5, 3), rand.randn(2, 3)]
+    rnn(xs[0].unsqueeze(0))
+    assert seen == [False]
+    for n in (2, 1):
+        seen.clear()
+        gathered(rnn, [x.unsqueeze(0) for x in xs[:n]])
+        assert seen == [True]
+
+
 def test_a_bad_call_fails_its_own_pass_with_the_modules_message(rand):
     model = vnn.LSTM(4, 6, batch_first=True)
     g = CallGatherer()

@@ -389,6 +389,57 @@ def test_directions_side_by_side(rand):
         assert_same_bits(a, b, "graph replay, directions side by side")
 
 
+def _half_the_sms() -> int:
+    """Half the GPU's SMs; the test is skipped where they hold no 64-block grid launch (the 16-bit kernels'
+    at hidden 1024)."""
+    half = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    if half < 64:
+        pytest.skip(f"{2 * half} SMs: no 64-block launch fits half of them")
+    return half
+
+
+@pytest.mark.parametrize("lengths", [(100,), (100, 1, 57, 96, 100, 33, 7, 48)])
+def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths):
+    """LSTM 1024 x 2 in TF32 up to 16 samples: each layer's launches within half the SMs (the 16-bit
+    kernels, one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
+    lengths ending inside windows and at 1): against float64 within the TF32 tolerance, against the same
+    kernels layer by layer (within a quarter of the TF32 tolerance: a window's input GEMM sums in another
+    order than the whole sequence's, and h rounded to 16 bits can turn such a last-bit difference into one
+    of its own last bit), and the same bits in a graph replay."""
+    half = _half_the_sms()
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, layers=2, lengths=lengths, rtol=5e-3)
+    x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
+    assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}
+    up = [rand.randn(len(lengths), 100, 1024, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
+                                                              for _ in range(2)]
+    single = copy.deepcopy(mod)
+    single._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": half}
+    piped = run_and_grads(mod, x, lens, hx, up)
+    for a, b in zip(piped[0] + piped[1], sum(run_and_grads(single, x, lens, hx, up), [])):
+        assert ((a - b).norm() / b.norm()).item() <= TF32_OP_TOL / 4
+    replay_equals(mod, x, lens, hx, up, piped)
+
+
+def test_grid_directions_side_by_side(rand):
+    """A bidirectional LSTM 1024 in TF32 runs its two directions at once, each on half the SMs (the 16-bit
+    grid kernels' cooperative launches): against float64 within the TF32 tolerance, and the same results as
+    the same launches one after the other."""
+    half = _half_the_sms()
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    lengths = (60, 1, 33, 59, 60, 12, 2, 41)
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, bidirectional=True, lengths=lengths, rtol=5e-3)
+    x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
+    assert mod._layout(x, len(lengths), 60)["side_by_side_blocks"] == half
+    up = [rand.randn(len(lengths), 60, 2048, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
+                                                             for _ in range(2)]
+    apart = copy.deepcopy(mod)
+    apart._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": half}
+    together = run_and_grads(mod, x, lens, hx, up)
+    for a, b in zip(together[0] + together[1], sum(run_and_grads(apart, x, lens, hx, up), [])):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+
+
 def test_concurrent_streams_each_correct(rand):
     """One-sample calls on several streams at once (the trainer's lanes): clusters run side by side."""
     mod = vnn.LSTM(8, 256, batch_first=True).to(DEV)
@@ -462,6 +513,22 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_
     compare_ops_with_cpu(rand, cell, lens, 30, H, reverse, weights="tf32", max_blocks=max_blocks, tol=TF32_OP_TOL)
     plan = ops.rnn_plan(cell, H, len(lens), "tf32", DEV, max_blocks=max_blocks)
     assert plan.startswith(layout) and all(k in plan for k in kernels), plan
+
+
+@pytest.mark.parametrize("cell,lens", [("lstm", [30]), ("lstm", LENS32[:16]), ("gru", [30, 4, 17, 1, 30, 9, 0, 22])])
+def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
+    """Within half the SMs no fp32 kernel holds hidden 1024; in tf32 the 16-bit kernels alone make the plan
+    (pipelined stacks, directions side by side), one sample included, where the whole GPU never takes them:
+    one group on at most half the SMs, every output of both ops against the CPU kernels. 17 samples: none
+    (the backward holds 16 a group)."""
+    half = _half_the_sms()
+    from vlseq_ext.nn import concurrency
+    assert ops.rnn_plan(cell, 1024, len(lens), "fp32", DEV, max_blocks=half) == ""
+    assert ops.rnn_plan(cell, 1024, 17, "tf32", DEV, max_blocks=half) == ""
+    plan = ops.rnn_plan(cell, 1024, len(lens), "tf32", DEV, max_blocks=half)
+    assert plan.startswith("grid") and concurrency._blocks(plan) <= half and "x 2 groups" not in plan, plan
+    assert HALF_BOTH in plan or (HALF_FORWARD in plan and HALF_BACKWARD in plan), plan
+    compare_ops_with_cpu(rand, cell, lens, 30, 1024, cell == "gru", weights="tf32", max_blocks=half, tol=TF32_OP_TOL)
 
 
 def test_op_16_bit_kernels_scale_rows_and_columns(rand):

@@ -73,7 +73,8 @@ def test_dropout_masks_between_layers(rand):
 
 def test_pipeline_rule():
     """Stacks whose layers' launches take at most half the SMs: windows of >= 48 steps, at most 8;
-    at most all the SMs on clusters of up to 8 blocks: at most 4; never the grid layout."""
+    at most all the SMs on clusters of up to 8 blocks: at most 4; never the grid layout here
+    (pipeline_layout plans it on a share of the SMs)."""
     cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block, shared memory 67/70 KiB"
     assert concurrency.pipeline_chunks(cluster, 2, 480, 132) == 8
     assert concurrency.pipeline_chunks(cluster, 2, 100, 132) == 2
@@ -103,11 +104,42 @@ def test_pipeline_rule():
     assert concurrency.pipeline_chunks(split.replace("16 blocks x 4", "8 blocks x 4"), 2, 480, 132) == 4
 
 
+def test_pipeline_layout_of_grid_stacks():
+    """A stack whose layer takes the grid on the whole GPU is pipelined where a grid plan for an equal share of
+    the SMs per layer exists and every layer's launches fit beside the others' (at most 4 windows of >= 48
+    steps, each launch planned for the share); other stacks as pipeline_chunks says, on the whole GPU."""
+    whole = ("grid 114 blocks x 1 groups, 9 units and 8 samples per block, W_hh and h in 16 bits, fp16 products on "
+             "the tensor cores (forward), shared memory 29 KiB; backward: grid 64 blocks x 2 groups, 16 units and 4 "
+             "samples per block, W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward), "
+             "shared memory 72 KiB")
+    half = ("grid 64 blocks x 1 groups, 16 units and 8 samples per block, W_hh, h and the gate gradients in 16 bits, "
+            "fp16 products on the tensor cores (forward and backward), shared memory 33/73 KiB")
+    asked = []
+
+    def plan_for(blocks):
+        asked.append(blocks)
+        return {0: whole, 66: half}.get(blocks, "")
+
+    assert concurrency.pipeline_layout(plan_for, 2, 480, 132) == (4, 66) and asked == [0, 66]
+    assert concurrency.pipeline_layout(plan_for, 2, 100, 132) == (2, 66)
+    assert concurrency.pipeline_layout(plan_for, 2, 480, 132, grid=False) == (1, 0)  # a host-bound call
+    assert concurrency.pipeline_layout(plan_for, 2, 95, 132) == (1, 0)  # one window: the whole GPU
+    assert concurrency.pipeline_layout(plan_for, 3, 480, 132) == (1, 0)  # no plan within 44 SMs
+    assert concurrency.pipeline_layout(plan_for, 1, 480, 132) == (1, 0)
+    assert concurrency.pipeline_layout(lambda b: {0: whole, 66: whole}[b], 2, 480, 132) == (1, 0)  # 228 > 132
+    assert concurrency.pipeline_layout(lambda b: {0: whole, 66: ""}[b], 2, 480, 132) == (1, 0)  # fp32: none fits
+    cluster = "cluster 16 blocks x 1 groups, 16 units and 1 samples per block, shared memory 67/70 KiB"
+    assert concurrency.pipeline_layout(lambda b: cluster, 2, 480, 132) == (8, 0)
+    assert concurrency.pipeline_layout(lambda b: cluster, 2, 480, 132, grid=False) == (8, 0)
+
+
 def test_side_by_side_rule():
-    """The two directions of a layer run at once when both launches fit on the GPU together."""
+    """The two directions of a layer run at once when both launches fit on the GPU together (a grid plan's
+    cooperative launches too)."""
     assert concurrency.side_by_side("cluster 4 blocks x 16 groups, 64 units and 2 samples per block", 132)
     assert not concurrency.side_by_side("cluster 8 blocks x 11 groups, 32 units and 3 samples per block", 132)
-    assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 1000)
+    assert concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 88)
+    assert not concurrency.side_by_side("grid 22 blocks x 2 groups, 24 units and 6 samples per block", 87)
     wide_forward = "cluster 8 blocks x 4 groups, 32 units and 8 samples per block, shared memory 152 KiB; backward: "
     assert concurrency.side_by_side(wide_forward + "cluster 16 blocks x 4 groups, 16 units and 8 samples per block", 132)
     assert not concurrency.side_by_side(wide_forward + "cluster 16 blocks x 5 groups, 16 units and 7 samples per block",
@@ -124,7 +156,8 @@ def test_each_direction_gets_half_the_gpu_when_a_plan_fits_there():
     assert concurrency.direction_blocks(plan_for, 132) == 66 and asked == [66]
     assert concurrency.direction_blocks(plan_for, 100) == 0  # no plan within 50 blocks: one after the other
     grid = "grid 22 blocks x 2 groups, 24 units and 6 samples per block"
-    assert concurrency.direction_blocks(lambda blocks: grid, 132) == 0
+    assert concurrency.direction_blocks(lambda blocks: grid, 132) == 66
+    assert concurrency.direction_blocks(lambda blocks: grid, 80) == 0  # 88 blocks
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

@@ -7,7 +7,7 @@ plan, gather.CallGatherer) at k samples, warm, on one GPU.
 (cProfile in the pass threads, by threading.setprofile, fails on Python 3.12: "Another profiling tool is
 already active"; the passes then die and the step never ends.)
 
-    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20]
+    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20] [--one-at-a-time]
 """
 from __future__ import annotations
 
@@ -32,7 +32,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="every recurrent launch on the whole GPU, one after another (no pipelined stack)")
     args = ap.parse_args()
+    if args.one_at_a_time:
+        from vlseq_ext.nn import concurrency
+        concurrency.pipeline_layout = lambda *a: (1, 0)
     dev = torch.device("cuda")
     spec = ModelSpec("lstm", args.hidden, args.layers)
     pool = make_pool(POOL, seed=0, pin=True)

@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -294,17 +295,18 @@ LaunchPlan half_launch(int nc, int hs, int bs, int groups, int64_t smem) {
 // Below that it was slower than the TF32 forward: one sample, LSTM 1024, 5,261 clocks a step on 64 blocks
 // against 4,769 on 128; 16 samples a group on 2 x 64 blocks, 7,201 against 9,904 for 32 on 128 (BENCHMARKS.md,
 // twenty-fourth session). Its blocks need no multiple of 4 units (that is the backward's float4 sums).
+// `min_samples`: 1 where no other forward fits the SMs given (grid_plan).
 constexpr int kHalfFwdMinSamples = 8;
 void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& forward,
-                       double clocks) {
-  if (B < kHalfFwdMinSamples) return;
+                       double clocks, int min_samples = kHalfFwdMinSamples) {
+  if (B < min_samples) return;
   const int G = num_gates(cell);
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   for (int hs = ceil_div(33, G); G * hs <= 64; ++hs) {
     const GridHalfFwdShape sh(G, H, hs);
     const int nc = ceil_div(H, hs);
     if (sh.ks == 0 || nc > sms || nc <= kMaxCluster || ceil_div(H, nc) != hs) continue;
-    const int bs = ceil_div(B, std::min(sms / nc, B / kHalfFwdMinSamples)), groups = ceil_div(B, bs);
+    const int bs = ceil_div(B, std::min(sms / nc, B / min_samples)), groups = ceil_div(B, bs);
     if (bs * hs > kThreads * kGridRegItems) continue;
     const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
     const int64_t smem = GridHalfFwdSmem(g, sh).total;
@@ -325,12 +327,12 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
 // backward's (gone since) and the fp32 register one's from 2 samples on (LSTM 1024, 2 groups of 16 samples
 // on 64 blocks: 11,328 clocks, against 16,235 for 32 on 128; 2 groups of 1: 5,979 against ~6,600), but
 // the same at one (5,992 against 5,936), where the fp32 kernel keeps fp32 (BENCHMARKS.md, twenty-sixth
-// session).
+// session). `min_batch`: 1 where no other backward fits the SMs given (grid_plan).
 constexpr int kHalfBwdMinBatch = 2;
 void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& backward,
-                        double clocks) {
+                        double clocks, int min_batch = kHalfBwdMinBatch) {
   const int G = num_gates(cell), nc = grid_half_backward_blocks(H);
-  if (B < kHalfBwdMinBatch || nc == 0 || nc > sms) return;
+  if (B < min_batch || nc == 0 || nc > sms) return;
   const int bs = ceil_div(B, std::min(sms / nc, B)), groups = ceil_div(B, bs);
   const GridHalfBwdShape sh(kHalfBwdUnits, nc, bs);
   if (sh.sb == 0) return;
@@ -405,6 +407,16 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   if (best.ok && tf32) {
     half_forward_plan(cell, H, B, sms, p, device, best.forward, forward_clocks);
     half_backward_plan(cell, H, B, sms, p, device, best.backward, backward_clocks);
+  } else if (tf32) {
+    // W_hh in fp32 fits none of the SMs given (LSTM 1024 within half the GPU, where a two-layer stack is
+    // pipelined: vlseq_ext.nn.concurrency): the 16-bit kernels alone, at any batch they hold. At one sample
+    // they measured 5-10% slower a step than the fp32 ones on the whole GPU (above), which the layers
+    // running at once more than repay.
+    LaunchPlan f, b;
+    const double any = std::numeric_limits<double>::infinity();
+    half_forward_plan(cell, H, B, sms, p, device, f, any, 1);
+    half_backward_plan(cell, H, B, sms, p, device, b, any, 1);
+    if (f.half && b.half) best.ok = true, best.forward = f, best.backward = b;
   }
 }
 

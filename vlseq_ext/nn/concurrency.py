@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["pipeline_chunks", "side_by_side", "direction_blocks", "sm_count", "sm_budget", "budget", "streams_for", "on",
+__all__ = ["pipeline_chunks", "pipeline_layout", "side_by_side", "direction_blocks", "sm_count", "sm_budget", "budget", "streams_for", "on",
            "record", "fork", "join", "settle"]
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
@@ -33,10 +33,10 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
       SMs) 1.31x faster than layer by layer with 4 windows, 1.14x with 8; 16 samples 1.08x with 4,
       0.97x with 8. Clusters of 16 pack into the GPCs only when nothing else holds their SMs: with
       them the windows' GEMMs kept the layers from running at once (32 samples, 0.80-0.83x);
-    - otherwise none, and never for the grid layout, whose cooperative launch needs its whole grid
-      resident."""
+    - otherwise none, and never for the grid layout here (pipeline_layout plans it on a share of the
+      SMs)."""
     cluster, blocks = _shape(plan)
-    if layers < 2 or not blocks:
+    if layers < 2 or not blocks or plan.startswith("grid"):
         return 1
     if blocks * layers <= sm_count // 2:
         most = PIPELINE_MAX_CHUNKS
@@ -47,9 +47,34 @@ def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
     return max(1, min(most, steps // PIPELINE_MIN_STEPS))
 
 
+def pipeline_layout(plan_for: Callable[[int], str], layers: int, steps: int, sms: int,
+                    grid: bool = True) -> Tuple[int, int]:
+    """(time windows, the SMs each launch is planned for: 0 for all) of a unidirectional stack of
+    `layers` layers, from plan_for(max_blocks) (ops.rnn_plan for a layer). A stack whose layer takes
+    the grid layout on the whole GPU is pipelined where a grid plan for sms // layers SMs exists (the
+    16-bit kernels: LSTM 1024 in TF32 up to 16 samples on 64 blocks), so that every layer's
+    cooperative launch is resident beside the others', over at most PIPELINE_FULL_CHUNKS windows
+    (they hold all the SMs, as above); the rest as pipeline_chunks says. grid=False: no grid stack
+    is pipelined, for calls whose host is the bottleneck: each window costs a layer ~0.2 ms of host
+    work (its GEMMs, launches, allocations), and a gathered batch of one-sample LSTM 1024 x 2 passes
+    at 8 samples took 7.6 ms a step pipelined against 6.2 one layer after the other (BENCHMARKS.md,
+    twenty-eighth session)."""
+    whole = plan_for(0)
+    if not whole.startswith("grid"):
+        return pipeline_chunks(whole, layers, steps, sms), 0
+    if not grid:
+        return 1, 0
+    share = sms // max(layers, 1)
+    shared = plan_for(share) if layers > 1 else ""
+    chunks = min(PIPELINE_FULL_CHUNKS, steps // PIPELINE_MIN_STEPS)
+    if chunks < 2 or not shared.startswith("grid") or _blocks(shared) * layers > sms:
+        return 1, 0  # one window: each launch on the whole GPU
+    return chunks, share
+
+
 def side_by_side(plan: str, sm_count: int) -> bool:
     """Whether the two directions of a layer (launch `plan` each) can run at once: both launches
-    resident together, never the grid layout (its cooperative launch needs its whole grid)."""
+    resident together (a grid plan's cooperative launches as well: each is resident as a whole)."""
     blocks = _blocks(plan)
     return bool(blocks) and 2 * blocks <= sm_count
 
@@ -100,18 +125,18 @@ def budget() -> Optional[int]:
 
 
 # A launch's layout in ops.rnn_plan's text: the plan's start, and a backward on a layout of its own.
-_LAYOUT = re.compile(r"(?:^|; backward: )(local|cluster) (\d+) blocks x (\d+) groups")
+_LAYOUT = re.compile(r"(?:^|; backward: )(local|cluster|grid) (\d+) blocks x (\d+) groups")
 
 
 def _shape(plan: str) -> Tuple[int, int]:
-    """(the largest group, the most blocks) of a local or cluster plan's launches (its forward and
-    backward may take different layouts); (0, 0) for a grid plan or none."""
+    """(the largest group, the most blocks) of a plan's launches (its forward and backward may take
+    different layouts); (0, 0) for none."""
     launches = [(int(m.group(2)), int(m.group(2)) * int(m.group(3))) for m in _LAYOUT.finditer(plan)]
     return (max(c for c, _ in launches), max(b for _, b in launches)) if launches else (0, 0)
 
 
 def _blocks(plan: str) -> int:
-    """The most blocks (one per SM) of a local or cluster plan's launches; 0 for a grid plan or none."""
+    """The most blocks (one per SM) of a plan's launches; 0 for none."""
     return _shape(plan)[1]
 
 

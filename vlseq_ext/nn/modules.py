@@ -103,19 +103,23 @@ class _KernelRNN:
             cache[key] = ops.rnn_plan(cell, self.hidden_size, batch, weights, device, max_blocks)
         return cache[key]
 
-    def _layout(self, x: Tensor, batch: int, steps: int) -> dict:
+    def _layout(self, x: Tensor, batch: int, steps: int, host_bound: bool = False) -> dict:
         """How functional.rnn runs this call's layers (its keyword arguments): the time windows to
-        pipeline a unidirectional stack over (concurrency.pipeline_chunks), the SMs each direction of
-        a bidirectional layer takes when the two run at once (concurrency.direction_blocks), and the
-        SMs every other launch may take (0: all; concurrency.sm_budget). Nothing off the GPU."""
+        pipeline a unidirectional stack over and the SMs each of its launches may take
+        (concurrency.pipeline_layout), the SMs each direction of a bidirectional layer takes when the
+        two run at once (concurrency.direction_blocks), and the SMs every other launch may take (0:
+        all; concurrency.sm_budget). From the plans of the call's precision (the 16-bit grid kernels
+        are tf32's only). `host_bound`: the call's host is the bottleneck (a gathered batch), so a grid
+        stack is not pipelined (pipeline_layout says why). Nothing off the GPU."""
         layout = {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
         if not x.is_cuda:
             return layout
         sms = concurrency.sm_count(x.device)
         budget = concurrency.budget()
+        weights = functional.precision_for(x)
 
         def plan(blocks: int) -> str:
-            return self._plan(batch, x.device, blocks)
+            return self._plan(batch, x.device, blocks, weights)
         if budget is not None:
             # Within this thread's concurrency.sm_budget: one launch at a time, on the caller's stream
             # only (see sm_budget for why no side streams), within the budget where a plan fits in it.
@@ -124,7 +128,8 @@ class _KernelRNN:
         if self.bidirectional:
             return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms)}
         if self.num_layers > 1:
-            return {**layout, "chunks": concurrency.pipeline_chunks(plan(0), self.num_layers, steps, sms)}
+            chunks, blocks = concurrency.pipeline_layout(plan, self.num_layers, steps, sms, grid=not host_bound)
+            return {**layout, "chunks": chunks, "max_blocks": blocks}
         return layout
 
     def fills_gpu_alone(self, device: torch.device) -> bool:
@@ -183,15 +188,15 @@ class _KernelRNN:
             hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
         return x, hx, lengths, unbatched
 
-    def _run_batch(self, x: Tensor, hx, lengths: Optional[Tensor]):
-        """x batch first (B, T, features): (output batch first, state)."""
+    def _run_batch(self, x: Tensor, hx, lengths: Optional[Tensor], host_bound: bool = False):
+        """x batch first (B, T, features): (output batch first, state); host_bound as _layout takes it."""
         B, T = x.shape[0], x.shape[1]
         if T == 0 or B == 0 or not self.uses_kernels(x, B, lengths is not None):
             return self._torch_padded(x, hx, lengths)
         steps = (lengths.to(x.device, non_blocking=True) if lengths is not None
                  else torch.full((B,), T, dtype=torch.long, device=x.device))
         arguments.check_state(self, hx, B, x)
-        out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, T))
+        out, h_n, c_n = functional.rnn(self, x, steps, hx, **self._layout(x, B, T, host_bound))
         return out, ((h_n, c_n) if isinstance(self, nn.LSTM) else h_n)
 
     def _as_given(self, out: Tensor, state, unbatched: bool):
@@ -231,7 +236,7 @@ class _KernelRNN:
         """[(x (B_i, T_i, features), hx or None, lengths or None)] as one batch of sum(B_i) samples
         padded to max(T_i): each part's (output (B_i, T_i, ...), state) slices of the result."""
         if len(parts) == 1:
-            return [self._run_batch(*parts[0])]
+            return [self._run_batch(*parts[0], host_bound=True)]
         xs = [x for x, _, _ in parts]
         sizes = [x.shape[0] for x in xs]
         device = xs[0].device
@@ -246,7 +251,7 @@ class _KernelRNN:
                                  else n for x, _, n in parts])
         x = pad_sequence([s for x in xs for s in (x.unbind(0) if x.shape[0] > 1 else (x[0],))], batch_first=True)
         hx = self._joined_state([h for _, h, _ in parts], sizes, x)
-        out, state = self._run_batch(x, hx, lengths)
+        out, state = self._run_batch(x, hx, lengths, host_bound=True)
         # split, not one slice per part: its backward is one concatenation, where k slices would
         # each scatter into a zeroed tensor of the whole batch's size.
         outs = out.split(sizes, 0)
