@@ -7,7 +7,7 @@ plan, gather.CallGatherer) at k samples, warm, on one GPU.
 (cProfile in the pass threads, by threading.setprofile, fails on Python 3.12: "Another profiling tool is
 already active"; the passes then die and the step never ends.)
 
-    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20] [--one-at-a-time]
+    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20] [--stack auto|one|pipelined]
 """
 from __future__ import annotations
 
@@ -32,12 +32,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--one-at-a-time", action="store_true",
-                    help="every recurrent launch on the whole GPU, one after another (no pipelined stack)")
+    ap.add_argument("--stack", choices=("auto", "one", "pipelined"), default="auto",
+                    help="a stack's layers: as the modules plan them (auto), one launch after another on the whole "
+                         "GPU (one), or a grid stack pipelined as if the gathered batch were not host-bound")
     args = ap.parse_args()
-    if args.one_at_a_time:
-        from vlseq_ext.nn import concurrency
-        concurrency.pipeline_layout = lambda *a: (1, 0)
+    from vlseq_ext.nn import concurrency
+    plan_stack = concurrency.pipeline_layout
+    if args.stack == "one":
+        concurrency.pipeline_layout = lambda *a, **kw: (1, 0)
+    elif args.stack == "pipelined":
+        concurrency.pipeline_layout = lambda *a, **kw: plan_stack(*a)
     dev = torch.device("cuda")
     spec = ModelSpec("lstm", args.hidden, args.layers)
     pool = make_pool(POOL, seed=0, pin=True)
@@ -63,7 +67,7 @@ def main() -> None:
             trainer.close()
 
     dt = run(args.steps)
-    print(f"{spec.name} one-sample k={args.k}: {dt * 1e3:.2f} ms a step, {args.k / dt:,.0f} samples/s, "
+    print(f"{spec.name} one-sample k={args.k} (stack {args.stack}): {dt * 1e3:.2f} ms a step, {args.k / dt:,.0f} samples/s, "
           f"{dt / args.k * 1e6:.0f} us a pass")
 
     prof_steps = 5
