@@ -3,7 +3,7 @@ whole GPU: forward + backward of a vlseq_ext.nn module as CUDA-graph replays, th
 (concurrency.pipeline_layout / direction_blocks) against the layer-by-layer one, and cuDNN, in one run.
 Lengths like the sweep's pool (the longest `steps`, the others random down to a third of it).
 
-    python3 benchmarks/probe/grid_pipeline.py [--steps 436] [--repeats 7]
+    python3 benchmarks/probe/grid_pipeline.py [--steps 436] [--repeats 7] [--windows 4,8] [--cases 0,1]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import vlseq_ext.nn as vnn
+from vlseq_ext.nn import concurrency
 from vlseq_ext.bench.rnn import graph_of, precision
 from vlseq_ext.bench.timing import synchronizer, time_loop
 
@@ -46,12 +47,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=436)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--windows", default=str(concurrency.PIPELINE_GRID_CHUNKS),
+                    help="comma-separated values of concurrency.PIPELINE_GRID_CHUNKS to time the picked layout at")
+    ap.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
     args = ap.parse_args()
+    windows = [int(w) for w in args.windows.split(",")]
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     dev = torch.device("cuda")
     sync = synchronizer([dev])
-    print("| case | layout picked | picked ms | one at a time ms | cuDNN ms | one at a time / picked | cuDNN / picked |")
-    print("|---|---|---|---|---|---|---|")
-    for cell, H, layers, bi, B, prec in CASES:
+    picks = [f"picked ({w} windows at most) ms" for w in windows]
+    print(f"| case | layout picked | {' | '.join(picks)} | one at a time ms | cuDNN ms | one at a time / picked | "
+          "cuDNN / picked |")
+    print("|---" * (6 + len(windows)) + "|")
+    for cell, H, layers, bi, B, prec in cases:
         with precision(prec):
             gen = torch.Generator().manual_seed(0)
             lens = torch.randint(args.steps // 3, args.steps + 1, (B,), generator=gen)
@@ -64,9 +72,11 @@ def main() -> None:
             mod = cls(36, H, num_layers=layers, bidirectional=bi, batch_first=True, kernels="vlseq").to(dev)
             picked = mod._layout(x, B, args.steps)
             times = {}
-            for name in ("picked", "one", "cudnn"):
+            for name in [f"picked{w}" for w in windows] + ["one", "cudnn"]:
                 m = mod
-                if name == "one":
+                if name.startswith("picked"):
+                    concurrency.PIPELINE_GRID_CHUNKS = int(name[6:])
+                elif name == "one":
                     m = cls(36, H, num_layers=layers, bidirectional=bi, batch_first=True, kernels="vlseq").to(dev)
                     m.load_state_dict(mod.state_dict())
                     m._layout = lambda *a: dict(ONE_AT_A_TIME)
@@ -79,8 +89,11 @@ def main() -> None:
                 times[name] = statistics.median(time_loop(graph.replay, sync, repeats=args.repeats)) * 1e3
                 del graph
             label = f"{cell} {H} x {layers}{' bi' if bi else ''}, {B}, {prec}"
-            print(f"| {label} | {picked} | {times['picked']:.3f} | {times['one']:.3f} | {times['cudnn']:.3f} | "
-                  f"{times['one'] / times['picked']:.2f} | {times['cudnn'] / times['picked']:.2f} |", flush=True)
+            best = min(times[f"picked{w}"] for w in windows)
+            cells = " | ".join(f"{times['picked%d' % w]:.3f}" for w in windows)
+            print(f"| {label} | {picked} | {cells} | "
+                  f"{times['one']:.3f} | {times['cudnn']:.3f} | {times['one'] / best:.2f} | {times['cudnn'] / best:.2f} |",
+                  flush=True)
             print(f"  plan at {torch.cuda.get_device_properties(dev).multi_processor_count // (2 if bi or layers > 1 else 1)}"
                   f" SMs: {mod._plan(B, dev, picked['max_blocks'] or picked['side_by_side_blocks'], prec)}", flush=True)
 

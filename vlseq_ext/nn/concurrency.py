@@ -22,6 +22,8 @@ __all__ = ["pipeline_chunks", "pipeline_layout", "side_by_side", "direction_bloc
 PIPELINE_MIN_STEPS = 48
 PIPELINE_MAX_CHUNKS = 8
 PIPELINE_FULL_CHUNKS = 4
+# A grid stack (pipeline_layout): at most this many windows.
+PIPELINE_GRID_CHUNKS = 4
 
 
 def pipeline_chunks(plan: str, layers: int, steps: int, sm_count: int) -> int:
@@ -53,8 +55,8 @@ def pipeline_layout(plan_for: Callable[[int], str], layers: int, steps: int, sms
     `layers` layers, from plan_for(max_blocks) (ops.rnn_plan for a layer). A stack whose layer takes
     the grid layout on the whole GPU is pipelined where a grid plan for sms // layers SMs exists (the
     16-bit kernels: LSTM 1024 in TF32 up to 16 samples on 64 blocks), so that every layer's
-    cooperative launch is resident beside the others', over at most PIPELINE_FULL_CHUNKS windows
-    (they hold all the SMs, as above); the rest as pipeline_chunks says. grid=False: no grid stack
+    cooperative launch is resident beside the others', over at most PIPELINE_GRID_CHUNKS windows; the
+    rest as pipeline_chunks says. grid=False: no grid stack
     is pipelined, for calls whose host is the bottleneck: each window costs a layer ~0.2 ms of host
     work (its GEMMs, launches, allocations), and a gathered batch of one-sample LSTM 1024 x 2 passes
     at 8 samples took 7.6 ms a step pipelined against 6.2 one layer after the other (BENCHMARKS.md,
@@ -66,7 +68,7 @@ def pipeline_layout(plan_for: Callable[[int], str], layers: int, steps: int, sms
         return 1, 0
     share = sms // max(layers, 1)
     shared = plan_for(share) if layers > 1 else ""
-    chunks = min(PIPELINE_FULL_CHUNKS, steps // PIPELINE_MIN_STEPS)
+    chunks = min(PIPELINE_GRID_CHUNKS, steps // PIPELINE_MIN_STEPS)
     if chunks < 2 or not shared.startswith("grid") or _blocks(shared) * layers > sms:
         return 1, 0  # one window: each launch on the whole GPU
     return chunks, share
