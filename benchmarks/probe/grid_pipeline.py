@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
     args = ap.parse_args()
     windows = [int(w) for w in args.windows.split(",")]
+    default_windows = concurrency.PIPELINE_GRID_CHUNKS
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     dev = torch.device("cuda")
     sync = synchronizer([dev])
@@ -70,6 +71,7 @@ def main() -> None:
             cls = vnn.LSTM if cell == "lstm" else vnn.GRU
             torch.manual_seed(0)
             mod = cls(36, H, num_layers=layers, bidirectional=bi, batch_first=True, kernels="vlseq").to(dev)
+            concurrency.PIPELINE_GRID_CHUNKS = default_windows
             picked = mod._layout(x, B, args.steps)
             times = {}
             for name in [f"picked{w}" for w in windows] + ["one", "cudnn"]:
@@ -88,6 +90,7 @@ def main() -> None:
                 graph = graph_of(closure(m, x, dlens, packed), dev)
                 times[name] = statistics.median(time_loop(graph.replay, sync, repeats=args.repeats)) * 1e3
                 del graph
+            concurrency.PIPELINE_GRID_CHUNKS = default_windows
             label = f"{cell} {H} x {layers}{' bi' if bi else ''}, {B}, {prec}"
             best = min(times[f"picked{w}"] for w in windows)
             cells = " | ".join(f"{times['picked%d' % w]:.3f}" for w in windows)
