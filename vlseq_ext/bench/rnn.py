@@ -62,6 +62,9 @@ POINTS = [
     Point("lstm1024_b32", "lstm", 1024, 1, False, 32, 500, target=2.0),
     Point("lstm1024_b32_tf32", "lstm", 1024, 1, False, 32, 500, precision="tf32", target=2.0),
     Point("lstm1024_b32_bf16", "lstm", 1024, 1, False, 32, 500, precision="bf16"),
+    # Two layers in TF32 up to 16 samples: pipelined on 64 blocks a layer (concurrency.pipeline_layout).
+    Point("lstm1024x2_b1_tf32", "lstm", 1024, 2, False, 1, 480, precision="tf32"),
+    Point("lstm1024x2_b8_var_tf32", "lstm", 1024, 2, False, 8, 500, "50-500", precision="tf32"),
 ]
 QUICK = ("lstm64_b32", "lstm256x2_b1", "lstm256x2_b32_var", "gru256x2bi_b32", "lstm1024_b32")
 METHODS = ("cudnn", "vlseq")
@@ -161,9 +164,16 @@ def _measure(p: Point, method: str, dev: torch.device, budget: Budget, res: Resu
             raise Skip(f"{p.cell} hidden {p.hidden} does not fit the kernels")
         blocks = concurrency.direction_blocks(lambda b: ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, b),
                                               concurrency.sm_count(dev)) if p.bidirectional else 0
-        if blocks:  # what the module runs (its _side_by_side)
+        if blocks:  # what the module runs (its _layout)
             plan = f"each direction: {ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)}; " \
                    "directions side by side"
+        elif p.layers > 1:
+            windows, blocks = concurrency.pipeline_layout(
+                lambda b: ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, b), p.layers, p.steps,
+                concurrency.sm_count(dev))
+            if blocks:
+                plan = f"each layer: {ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)}; " \
+                       f"layers pipelined over {windows} windows"
         res.set(f"rnn.points.{p.name}.plan", plan)
     sync = synchronizer([dev])
     with precision(p.precision):
