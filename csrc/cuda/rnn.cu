@@ -410,8 +410,8 @@ void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDe
   } else if (tf32) {
     // W_hh in fp32 fits none of the SMs given (LSTM 1024 within half the GPU, where a two-layer stack is
     // pipelined: vlseq_ext.nn.concurrency): the 16-bit kernels alone, at any batch they hold. At one sample
-    // they measured 5-10% slower a step than the fp32 ones on the whole GPU (above), which the layers
-    // running at once more than repay.
+    // they measured 1-10% slower a step than the fp32 ones on the whole GPU (above), which the layers
+    // running at once more than repay (LSTM 1024 x 2: 1.28x; BENCHMARKS.md, twenty-eighth session).
     LaunchPlan f, b;
     const double any = std::numeric_limits<double>::infinity();
     half_forward_plan(cell, H, B, sms, p, device, f, any, 1);
