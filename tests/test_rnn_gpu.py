@@ -398,6 +398,17 @@ def _half_the_sms() -> int:
     return half
 
 
+def against_one_launch_at_a_time(mod, x, lens, hx, up, blocks, tol):
+    """run_and_grads of `mod` as it lays its launches out, each output and gradient within `tol` (relative
+    norm) of the same module's with every launch planned for `blocks` SMs, one after another; the first."""
+    apart = copy.deepcopy(mod)
+    apart._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": blocks}
+    laid_out = run_and_grads(mod, x, lens, hx, up)
+    for a, b in zip(laid_out[0] + laid_out[1], sum(run_and_grads(apart, x, lens, hx, up), [])):
+        assert ((a - b).norm() / b.norm()).item() <= tol
+    return laid_out
+
+
 @pytest.mark.parametrize("lengths", [(100,), (100, 1, 57, 96, 100, 33, 7, 48)])
 def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths):
     """LSTM 1024 x 2 in TF32 up to 16 samples: each layer's launches within half the SMs (the 16-bit
@@ -413,11 +424,7 @@ def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths):
     assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}
     up = [rand.randn(len(lengths), 100, 1024, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
                                                               for _ in range(2)]
-    single = copy.deepcopy(mod)
-    single._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": half}
-    piped = run_and_grads(mod, x, lens, hx, up)
-    for a, b in zip(piped[0] + piped[1], sum(run_and_grads(single, x, lens, hx, up), [])):
-        assert ((a - b).norm() / b.norm()).item() <= TF32_OP_TOL / 4
+    piped = against_one_launch_at_a_time(mod, x, lens, hx, up, half, TF32_OP_TOL / 4)
     replay_equals(mod, x, lens, hx, up, piped)
 
 
@@ -433,11 +440,7 @@ def test_grid_directions_side_by_side(rand):
     assert mod._layout(x, len(lengths), 60)["side_by_side_blocks"] == half
     up = [rand.randn(len(lengths), 60, 2048, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
                                                              for _ in range(2)]
-    apart = copy.deepcopy(mod)
-    apart._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": half}
-    together = run_and_grads(mod, x, lens, hx, up)
-    for a, b in zip(together[0] + together[1], sum(run_and_grads(apart, x, lens, hx, up), [])):
-        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    against_one_launch_at_a_time(mod, x, lens, hx, up, half, 1e-6)
 
 
 def test_concurrent_streams_each_correct(rand):
