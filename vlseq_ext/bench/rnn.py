@@ -20,7 +20,6 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from .. import ops
 from .. import nn as vnn
-from ..nn import concurrency
 from .results import Results, Skip, Task, fmt
 from .timing import Budget, synchronizer, time_loop
 
@@ -156,24 +155,33 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     return out, []
 
 
+def _plan_text(p: Point, dev: torch.device) -> str:
+    """What our module runs at the point (its _layout): the layer's plan, or each direction's or layer's on
+    its share of the GPU and how they run at once. Empty when the kernels do not hold it."""
+    kind = vnn.LSTM if p.cell == "lstm" else vnn.GRU
+    module = kind(INPUT, p.hidden, num_layers=p.layers, bidirectional=p.bidirectional, batch_first=True).to(dev)
+    x = torch.zeros(p.batch, 1, INPUT, device=dev)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if p.precision == "bf16" else contextlib.nullcontext()
+    with precision(p.precision), amp:
+        layout = module._layout(x, p.batch, p.steps)
+    weights = p.precision  # fp32, tf32 or bf16: what the module runs (functional.precision_for)
+
+    def plan(blocks: int) -> str:
+        return ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)
+    if not plan(0):
+        return ""
+    if layout["side_by_side_blocks"]:
+        return f"each direction: {plan(layout['side_by_side_blocks'])}; directions side by side"
+    if layout["chunks"] > 1:
+        return f"each layer: {plan(layout['max_blocks'])}; layers pipelined over {layout['chunks']} windows"
+    return plan(0)
+
+
 def _measure(p: Point, method: str, dev: torch.device, budget: Budget, res: Results) -> None:
     if method == "vlseq":
-        weights = p.precision  # fp32, tf32 or bf16: what the module runs (functional.precision_for)
-        plan = ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev)
+        plan = _plan_text(p, dev)
         if not plan:
             raise Skip(f"{p.cell} hidden {p.hidden} does not fit the kernels")
-        blocks = concurrency.direction_blocks(lambda b: ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, b),
-                                              concurrency.sm_count(dev)) if p.bidirectional else 0
-        if blocks:  # what the module runs (its _layout)
-            plan = f"each direction: {ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)}; " \
-                   "directions side by side"
-        elif p.layers > 1:
-            windows, blocks = concurrency.pipeline_layout(
-                lambda b: ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, b), p.layers, p.steps,
-                concurrency.sm_count(dev))
-            if blocks:
-                plan = f"each layer: {ops.rnn_plan(p.cell, p.hidden, p.batch, weights, dev, blocks)}; " \
-                       f"layers pipelined over {windows} windows"
         res.set(f"rnn.points.{p.name}.plan", plan)
     sync = synchronizer([dev])
     with precision(p.precision):

@@ -12,8 +12,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["pipeline_chunks", "pipeline_layout", "side_by_side", "direction_blocks", "sm_count", "sm_budget", "budget", "streams_for", "on",
-           "record", "fork", "join", "settle"]
+__all__ = ["pipeline_chunks", "pipeline_layout", "side_by_side", "direction_blocks", "sm_count", "sm_budget", "budget",
+           "streams_for", "on", "record", "fork", "join", "settle"]
 
 # A stack is pipelined over time windows of at least this many steps, at most this many windows:
 # each window costs a few launches per layer (~10 us in a graph replay) and the pipeline's fill
@@ -56,21 +56,23 @@ def pipeline_layout(plan_for: Callable[[int], str], layers: int, steps: int, sms
     the grid layout on the whole GPU is pipelined where a grid plan for sms // layers SMs exists (the
     16-bit kernels: LSTM 1024 in TF32 up to 16 samples on 64 blocks), so that every layer's
     cooperative launch is resident beside the others', over at most PIPELINE_GRID_CHUNKS windows; the
-    rest as pipeline_chunks says. grid=False: no grid stack
-    is pipelined, for calls whose host is the bottleneck: each window costs a layer ~0.2 ms of host
-    work (its GEMMs, launches, allocations), and a gathered batch of one-sample LSTM 1024 x 2 passes
-    at 8 samples took 7.6 ms a step pipelined against 6.2 one layer after the other (BENCHMARKS.md,
-    twenty-eighth session)."""
+    rest as pipeline_chunks says.
+
+    grid=False: no grid stack is pipelined. For calls whose host is the bottleneck: each window costs
+    a layer ~0.2 ms of host work (its GEMMs, launches, allocations), and a gathered batch of one-sample
+    LSTM 1024 x 2 passes at 8 samples took 6.9-7.6 ms a step pipelined against 6.1-6.2 one layer after
+    the other (BENCHMARKS.md, twenty-eighth session). And for the fp32 grid kernels, measured (LSTM
+    512 x 2: 1.62x at one sample, 1.01x at 32) but not yet tested in a stack."""
     whole = plan_for(0)
     if not whole.startswith("grid"):
         return pipeline_chunks(whole, layers, steps, sms), 0
-    if not grid:
-        return 1, 0
-    share = sms // max(layers, 1)
-    shared = plan_for(share) if layers > 1 else ""
     chunks = min(PIPELINE_GRID_CHUNKS, steps // PIPELINE_MIN_STEPS)
-    if chunks < 2 or not shared.startswith("grid") or _blocks(shared) * layers > sms:
+    if not grid or layers < 2 or chunks < 2:
         return 1, 0  # one window: each launch on the whole GPU
+    share = sms // layers
+    shared = plan_for(share)
+    if not shared.startswith("grid") or _blocks(shared) * layers > sms:
+        return 1, 0
     return chunks, share
 
 
@@ -81,14 +83,17 @@ def side_by_side(plan: str, sm_count: int) -> bool:
     return bool(blocks) and 2 * blocks <= sm_count
 
 
-def direction_blocks(plan_for: Callable[[int], str], sms: int) -> int:
+def direction_blocks(plan_for: Callable[[int], str], sms: int, grid: bool = True) -> int:
     """The SMs each direction of a bidirectional layer is planned for when the two run at once: half
     the GPU where `plan_for(max_blocks)` (ops.rnn_plan for the layer) has a plan for it that fits
     twice (side_by_side); 0 (one direction after the other, each on the whole GPU) otherwise.
     Measured at batch 32, GRU 256x2 (BENCHMARKS.md, sixth session): 15.9 / 14.4 ms (uniform /
-    lengths 50-500) side by side on half the GPU each, 15.7 / 16.3 one after the other."""
+    lengths 50-500) side by side on half the GPU each, 15.7 / 16.3 one after the other; a
+    bidirectional LSTM 1024 in TF32 at 8 samples on 64 blocks a direction 1.72x (twenty-eighth
+    session). grid=False: not for a grid plan (the fp32 grid kernels: not yet tested side by side)."""
     half = sms // 2
-    return half if side_by_side(plan_for(half), sms) else 0
+    plan = plan_for(half)
+    return half if side_by_side(plan, sms) and (grid or not plan.startswith("grid")) else 0
 
 
 def sm_count(device: torch.device) -> int:
