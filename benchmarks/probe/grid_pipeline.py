@@ -97,8 +97,8 @@ def main() -> None:
             print(f"| {label} | {picked} | {cells} | "
                   f"{times['one']:.3f} | {times['cudnn']:.3f} | {times['one'] / best:.2f} | {times['cudnn'] / best:.2f} |",
                   flush=True)
-            print(f"  plan at {torch.cuda.get_device_properties(dev).multi_processor_count // (2 if bi or layers > 1 else 1)}"
-                  f" SMs: {mod._plan(B, dev, picked['max_blocks'] or picked['side_by_side_blocks'], prec)}", flush=True)
+            blocks = picked["max_blocks"] or picked["side_by_side_blocks"]
+            print(f"  plan at {blocks or 'all the'} SMs: {mod._plan(B, dev, blocks, prec)}", flush=True)
 
 
 if __name__ == "__main__":
