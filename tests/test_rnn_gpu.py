@@ -321,6 +321,17 @@ def replayed(fn):
     return static
 
 
+def against_one_launch_at_a_time(mod, x, lens, hx, up, blocks, tol):
+    """run_and_grads of `mod` as it lays its launches out, each output and gradient within `tol` (relative
+    norm) of the same module's with every launch planned for `blocks` SMs, one after another; the first."""
+    apart = copy.deepcopy(mod)
+    apart._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": blocks}
+    laid_out = run_and_grads(mod, x, lens, hx, up)
+    for a, b in zip(laid_out[0] + laid_out[1], sum(run_and_grads(apart, x, lens, hx, up), [])):
+        assert ((a - b).norm() / b.norm()).item() <= tol
+    return laid_out
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_pipelined_stack_against_float64_and_in_a_graph(rand, cls):
     """A unidirectional stack whose layers fit side by side runs pipelined over time windows (the
@@ -334,11 +345,7 @@ def test_pipelined_stack_against_float64_and_in_a_graph(rand, cls):
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)  # nothing is copied from the host in the capture
     up = [rand.randn(len(lengths), 200, 256, device=DEV)] + \
         [rand.randn(3, len(lengths), 256, device=DEV) for _ in range(2 if cls is nn.LSTM else 1)]
-    single = copy.deepcopy(mod)
-    single._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
-    piped = run_and_grads(mod, x, lens, hx, up)
-    for a, b in zip(piped[0] + piped[1], sum(run_and_grads(single, x, lens, hx, up), [])):
-        assert ((a - b).norm() / b.norm()).item() <= 1e-6
+    piped = against_one_launch_at_a_time(mod, x, lens, hx, up, 0, 1e-6)
     replay_equals(mod, x, lens, hx, up, piped)
 
 
@@ -396,17 +403,6 @@ def _half_the_sms() -> int:
     if half < 64:
         pytest.skip(f"{2 * half} SMs: no 64-block launch fits half of them")
     return half
-
-
-def against_one_launch_at_a_time(mod, x, lens, hx, up, blocks, tol):
-    """run_and_grads of `mod` as it lays its launches out, each output and gradient within `tol` (relative
-    norm) of the same module's with every launch planned for `blocks` SMs, one after another; the first."""
-    apart = copy.deepcopy(mod)
-    apart._layout = lambda *args: {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": blocks}
-    laid_out = run_and_grads(mod, x, lens, hx, up)
-    for a, b in zip(laid_out[0] + laid_out[1], sum(run_and_grads(apart, x, lens, hx, up), [])):
-        assert ((a - b).norm() / b.norm()).item() <= tol
-    return laid_out
 
 
 @pytest.mark.parametrize("lengths", [(100,), (100, 1, 57, 96, 100, 33, 7, 48)])
