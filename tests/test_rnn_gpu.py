@@ -17,11 +17,22 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import vlseq_ext.nn as vnn
 from vlseq_ext import ops
+from vlseq_ext.nn import concurrency
 
 from helpers import assert_same_bits, mm_operands
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.usefixtures("no_tf32")]
 DEV = "cuda"
+
+# The TF32 kernels' error, relative norm, against the fp32 kernels (W_hh and h or the gate gradients
+# rounded to TF32's 10-bit mantissa, products summed in fp32): 0.5-3.9e-4 measured over 30 steps
+# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5. The kernels in
+# 16 bits round W_hh and h or the gate gradients to the same 11 significant bits (under scales).
+TF32_OP_TOL = 2e-3
+HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
+HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward)"
+HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
+LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
 def make(rand, cls, D, H, layers=1, bidirectional=False, bias=True, lengths=(5,), with_state=True):
@@ -137,7 +148,6 @@ def test_several_samples_per_block_run_fused(rand, cls):
     after the other): several fp32 samples per block on the fused kernels (the forward on wide 8-block
     clusters, the backward by reduce-scatter on 16-block ones; on half the GPU the planner takes one
     sample a block on wide 8-block clusters), lengths that end at different steps."""
-    from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 8, "fp32", DEV, max_blocks=32)
     assert plan.startswith("cluster 8 blocks") and "fused cell and W_hh in registers, 8 chunks a lane" in plan \
         and " 1 samples per block" not in plan, plan
@@ -152,7 +162,6 @@ def test_fused_groups_by_length_ties_and_a_partial_round(rand, cls):
     send only the samples still running, so the lengths tie, end at 1, and differ within every group.
     Within 32 SMs (concurrency.sm_budget; the forward on wide 8-block clusters): on the whole GPU the
     planner takes one sample a block on wide 8-block clusters for them."""
-    from vlseq_ext.nn import concurrency
     plan = ops.rnn_plan("lstm" if cls is nn.LSTM else "gru", 256, 13, "fp32", DEV, max_blocks=32)
     assert re.search(r"; backward: cluster 16 blocks x \d+ groups, 16 units and \d+ samples per block, fused cell and "
                      r"W_hh in registers, by reduce-scatter", plan) and " 1 samples per block" not in plan, plan
@@ -234,7 +243,6 @@ def test_modules_within_an_sm_budget(rand, cls, H, B, layers, bidirectional, bud
     side-by-side directions), each planned within the budget (LSTM 256 on the wide 8-block clusters)
     or, where no plan fits in it (GRU 1024's grid), on the whole GPU. Against float64, and the same
     bits in a graph replay."""
-    from vlseq_ext.nn import concurrency
     lengths = (300,) if B == 1 else (300, 41)
     with concurrency.sm_budget(budget):
         mod, x, lens, hx = compare(rand, cls, 36, H, layers=layers, bidirectional=bidirectional, lengths=lengths)
@@ -353,7 +361,6 @@ def test_pipelined_stack_on_most_of_the_gpu(rand):
     """8 samples of LSTM 256 x 2: each layer on 8 wide 8-block clusters (64 SMs), both at once on up to
     all the SMs, so the stack runs pipelined over 4 windows (concurrency.pipeline_chunks): against
     float64, with lengths that end inside windows and at 1."""
-    from vlseq_ext.nn import concurrency
     lengths = (300, 1, 97, 144, 288, 48, 200, 13)
     mod, x, lens, hx = compare(rand, nn.LSTM, 36, 256, layers=2, lengths=lengths)
     plan, sms = ops.rnn_plan("lstm", 256, len(lengths), "fp32", DEV), concurrency.sm_count(torch.device(DEV))
@@ -405,38 +412,55 @@ def _half_the_sms() -> int:
     return half
 
 
+# (hidden, TF32 on, tolerance against float64, against the same launches one at a time): LSTM 1024 in TF32
+# on the 16-bit grid kernels (a window's input GEMM sums in another order than the whole sequence's, and h
+# rounded to 16 bits can turn such a last-bit difference into one of its own last bit: a quarter of the
+# TF32 tolerance); LSTM 512 in fp32 on the fp32 grid kernels (W_hh, 4 MiB, fits no cluster).
+GRID_SHARES = [(1024, True, 5e-3, TF32_OP_TOL / 4), (512, False, 1e-5, 1e-6)]
+
+
+def _grid_share_case(H, tf32, half, batch):
+    """Sets TF32 as the case says (the fixture restores it) and checks that a launch planned for half the
+    SMs is a grid plan that fits there: the case covers the grid kernels, not a cluster plan."""
+    torch.backends.cudnn.allow_tf32 = tf32
+    plan = ops.rnn_plan("lstm", H, batch, "tf32" if tf32 else "fp32", DEV, half)
+    assert plan.startswith("grid") and concurrency._blocks(plan) <= half, plan
+    assert (HALF_BOTH in plan or (HALF_FORWARD in plan and HALF_BACKWARD in plan)) == tf32, plan
+
+
+@pytest.mark.parametrize("H,tf32,tol,apart_tol", GRID_SHARES)
 @pytest.mark.parametrize("lengths", [(100,), (100, 1, 57, 96, 100, 33, 7, 48)])
-def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths):
-    """LSTM 1024 x 2 in TF32 up to 16 samples: each layer's launches within half the SMs (the 16-bit
-    kernels, one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
-    lengths ending inside windows and at 1): against float64 within the TF32 tolerance, against the same
-    kernels layer by layer (within a quarter of the TF32 tolerance: a window's input GEMM sums in another
-    order than the whole sequence's, and h rounded to 16 bits can turn such a last-bit difference into one
-    of its own last bit), and the same bits in a graph replay."""
+def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, apart_tol):
+    """LSTM x 2 whose layer takes the grid layout on the whole GPU: each layer's launches within half the
+    SMs (one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
+    lengths ending inside windows and at 1): against float64, against the same kernels layer by layer, and
+    the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels) and fp32 (LSTM 512)."""
     half = _half_the_sms()
-    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
-    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, layers=2, lengths=lengths, rtol=5e-3)
+    _grid_share_case(H, tf32, half, len(lengths))
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, H, layers=2, lengths=lengths, rtol=tol)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}
-    up = [rand.randn(len(lengths), 100, 1024, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
-                                                              for _ in range(2)]
-    piped = against_one_launch_at_a_time(mod, x, lens, hx, up, half, TF32_OP_TOL / 4)
+    up = [rand.randn(len(lengths), 100, H, device=DEV)] + [rand.randn(2, len(lengths), H, device=DEV)
+                                                           for _ in range(2)]
+    piped = against_one_launch_at_a_time(mod, x, lens, hx, up, half, apart_tol)
     replay_equals(mod, x, lens, hx, up, piped)
 
 
-def test_grid_directions_side_by_side(rand):
-    """A bidirectional LSTM 1024 in TF32 runs its two directions at once, each on half the SMs (the 16-bit
-    grid kernels' cooperative launches): against float64 within the TF32 tolerance, and the same results as
-    the same launches one after the other."""
+@pytest.mark.parametrize("H,tf32,tol,apart_tol", GRID_SHARES)
+def test_grid_directions_side_by_side(rand, H, tf32, tol, apart_tol):
+    """A bidirectional LSTM whose direction takes the grid layout runs its two directions at once, each on
+    half the SMs (two cooperative grid launches resident together): against float64, the same results as
+    the same launches one after the other, and the same bits in a graph replay. TF32 and fp32 as above."""
     half = _half_the_sms()
-    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
     lengths = (60, 1, 33, 59, 60, 12, 2, 41)
-    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, bidirectional=True, lengths=lengths, rtol=5e-3)
+    _grid_share_case(H, tf32, half, len(lengths))
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, H, bidirectional=True, lengths=lengths, rtol=tol)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     assert mod._layout(x, len(lengths), 60)["side_by_side_blocks"] == half
-    up = [rand.randn(len(lengths), 60, 2048, device=DEV)] + [rand.randn(2, len(lengths), 1024, device=DEV)
-                                                             for _ in range(2)]
-    against_one_launch_at_a_time(mod, x, lens, hx, up, half, 1e-6)
+    up = [rand.randn(len(lengths), 60, 2 * H, device=DEV)] + [rand.randn(2, len(lengths), H, device=DEV)
+                                                              for _ in range(2)]
+    both = against_one_launch_at_a_time(mod, x, lens, hx, up, half, 1e-6)
+    replay_equals(mod, x, lens, hx, up, both)
 
 
 def test_concurrent_streams_each_correct(rand):
@@ -460,17 +484,6 @@ def test_concurrent_streams_each_correct(rand):
 def test_tf32_mode_tolerance(rand):
     torch.backends.cuda.matmul.allow_tf32 = True  # the fixture restores it
     compare(rand, nn.LSTM, 36, 256, layers=2, lengths=random_lengths(rand, 8, 1, 100), rtol=2e-3)
-
-
-# The TF32 kernels' error, relative norm, against the fp32 kernels (W_hh and h or the gate gradients
-# rounded to TF32's 10-bit mantissa, products summed in fp32): 0.5-3.9e-4 measured over 30 steps
-# (BENCHMARKS.md, thirteenth session), 5x that allowed; the fp32 kernels stay within 1e-5. The kernels in
-# 16 bits round W_hh and h or the gate gradients to the same 11 significant bits (under scales).
-TF32_OP_TOL = 2e-3
-HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
-HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward)"
-HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
-LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
 @pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
@@ -521,7 +534,6 @@ def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     one group on at most half the SMs, every output of both ops against the CPU kernels. 17 samples: none
     (the backward holds 16 a group)."""
     half = _half_the_sms()
-    from vlseq_ext.nn import concurrency
     assert ops.rnn_plan(cell, 1024, len(lens), "fp32", DEV, max_blocks=half) == ""
     assert ops.rnn_plan(cell, 1024, 17, "tf32", DEV, max_blocks=half) == ""
     plan = ops.rnn_plan(cell, 1024, len(lens), "tf32", DEV, max_blocks=half)

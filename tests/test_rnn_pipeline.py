@@ -158,8 +158,6 @@ def test_each_direction_gets_half_the_gpu_when_a_plan_fits_there():
     grid = "grid 22 blocks x 2 groups, 24 units and 6 samples per block"
     assert concurrency.direction_blocks(lambda blocks: grid, 132) == 66
     assert concurrency.direction_blocks(lambda blocks: grid, 80) == 0  # 88 blocks
-    assert concurrency.direction_blocks(lambda blocks: grid, 132, grid=False) == 0
-    assert concurrency.direction_blocks(plan_for, 132, grid=False) == 66  # clusters: as ever
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

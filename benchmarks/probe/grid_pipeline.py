@@ -28,6 +28,14 @@ CASES = [
     ("lstm", 512, 2, False, 1, "fp32"),
     ("lstm", 512, 2, False, 32, "fp32"),
     ("gru", 512, 1, True, 8, "fp32"),
+    ("lstm", 512, 2, False, 8, "fp32"),
+    ("lstm", 512, 2, False, 16, "fp32"),
+    ("lstm", 512, 1, True, 1, "fp32"),
+    ("lstm", 512, 1, True, 8, "fp32"),
+    ("lstm", 512, 1, True, 32, "fp32"),
+    ("lstm", 768, 2, False, 8, "fp32"),
+    ("gru", 768, 2, False, 8, "fp32"),
+    ("gru", 1024, 2, False, 1, "fp32"),
 ]
 ONE_AT_A_TIME = {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
 

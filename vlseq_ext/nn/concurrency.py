@@ -54,15 +54,16 @@ def pipeline_layout(plan_for: Callable[[int], str], layers: int, steps: int, sms
     """(time windows, the SMs each launch is planned for: 0 for all) of a unidirectional stack of
     `layers` layers, from plan_for(max_blocks) (ops.rnn_plan for a layer). A stack whose layer takes
     the grid layout on the whole GPU is pipelined where a grid plan for sms // layers SMs exists (the
-    16-bit kernels: LSTM 1024 in TF32 up to 16 samples on 64 blocks), so that every layer's
-    cooperative launch is resident beside the others', over at most PIPELINE_GRID_CHUNKS windows; the
-    rest as pipeline_chunks says.
+    16-bit kernels: LSTM 1024 in TF32 up to 16 samples on 64 blocks; the fp32 ones: LSTM 512-768), so
+    that every layer's cooperative launch is resident beside the others', over at most
+    PIPELINE_GRID_CHUNKS windows; the rest as pipeline_chunks says. Measured against one launch at a
+    time (BENCHMARKS.md, twenty-eighth and twenty-ninth sessions): LSTM 1024 x 2 TF32 1.16-1.30x at
+    1-16 samples, LSTM 512 x 2 fp32 1.01-1.63x at 1-32, never slower.
 
     grid=False: no grid stack is pipelined. For calls whose host is the bottleneck: each window costs
     a layer ~0.2 ms of host work (its GEMMs, launches, allocations), and a gathered batch of one-sample
     LSTM 1024 x 2 passes at 8 samples took 6.9-7.6 ms a step pipelined against 6.1-6.2 one layer after
-    the other (BENCHMARKS.md, twenty-eighth session). And for the fp32 grid kernels, measured (LSTM
-    512 x 2: 1.62x at one sample, 1.01x at 32) but not yet tested in a stack."""
+    the other (BENCHMARKS.md, twenty-eighth session)."""
     whole = plan_for(0)
     if not whole.startswith("grid"):
         return pipeline_chunks(whole, layers, steps, sms), 0
@@ -83,17 +84,16 @@ def side_by_side(plan: str, sm_count: int) -> bool:
     return bool(blocks) and 2 * blocks <= sm_count
 
 
-def direction_blocks(plan_for: Callable[[int], str], sms: int, grid: bool = True) -> int:
+def direction_blocks(plan_for: Callable[[int], str], sms: int) -> int:
     """The SMs each direction of a bidirectional layer is planned for when the two run at once: half
     the GPU where `plan_for(max_blocks)` (ops.rnn_plan for the layer) has a plan for it that fits
     twice (side_by_side); 0 (one direction after the other, each on the whole GPU) otherwise.
     Measured at batch 32, GRU 256x2 (BENCHMARKS.md, sixth session): 15.9 / 14.4 ms (uniform /
     lengths 50-500) side by side on half the GPU each, 15.7 / 16.3 one after the other; a
     bidirectional LSTM 1024 in TF32 at 8 samples on 64 blocks a direction 1.72x (twenty-eighth
-    session). grid=False: not for a grid plan (the fp32 grid kernels: not yet tested side by side)."""
+    session), LSTM 512 in fp32 1.28-2.10x at 1-32 samples (twenty-ninth)."""
     half = sms // 2
-    plan = plan_for(half)
-    return half if side_by_side(plan, sms) and (grid or not plan.startswith("grid")) else 0
+    return half if side_by_side(plan_for(half), sms) else 0
 
 
 def sm_count(device: torch.device) -> int:

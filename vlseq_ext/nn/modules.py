@@ -109,9 +109,8 @@ class _KernelRNN:
         (concurrency.pipeline_layout), the SMs each direction of a bidirectional layer takes when the
         two run at once (concurrency.direction_blocks), and the SMs every other launch may take (0:
         all; concurrency.sm_budget). From the plans of the call's precision (the 16-bit grid kernels
-        are tf32's only); grid launches share the GPU only in tf32 and bf16, whose kernels there are
-        tested (pipeline_layout). `host_bound`: the call's host is the bottleneck (a gathered batch), so
-        a grid stack is not pipelined (pipeline_layout says why). Nothing off the GPU."""
+        are tf32's only). `host_bound`: the call's host is the bottleneck (a gathered batch), so a grid
+        stack is not pipelined (pipeline_layout says why). Nothing off the GPU."""
         layout = {"chunks": 1, "side_by_side_blocks": 0, "max_blocks": 0}
         if not x.is_cuda:
             return layout
@@ -126,12 +125,10 @@ class _KernelRNN:
             # only (see sm_budget for why no side streams), within the budget where a plan fits in it.
             blocks = min(budget, sms)
             return {**layout, "max_blocks": blocks if blocks and plan(blocks) else 0}
-        grid_shares = weights != "fp32"
         if self.bidirectional:
-            return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms, grid_shares)}
+            return {**layout, "side_by_side_blocks": concurrency.direction_blocks(plan, sms)}
         if self.num_layers > 1:
-            chunks, blocks = concurrency.pipeline_layout(plan, self.num_layers, steps, sms,
-                                                         grid=grid_shares and not host_bound)
+            chunks, blocks = concurrency.pipeline_layout(plan, self.num_layers, steps, sms, grid=not host_bound)
             return {**layout, "chunks": chunks, "max_blocks": blocks}
         return layout
 
