@@ -57,6 +57,9 @@ POINTS = [
     Point("gru256x2bi_b32", "gru", 256, 2, True, 32, 480, target=2.0),
     Point("gru256x2bi_b32_var", "gru", 256, 2, True, 32, 500, "50-500"),
     Point("lstm512_b32", "lstm", 512, 1, False, 32, 500),
+    # fp32 grid launches on 66 SMs each: two layers pipelined, two directions side by side.
+    Point("lstm512x2_b1", "lstm", 512, 2, False, 1, 480),
+    Point("lstm512bi_b8_var", "lstm", 512, 1, True, 8, 500, "50-500"),
     Point("lstm1024_b1", "lstm", 1024, 1, False, 1, 500),
     Point("lstm1024_b32", "lstm", 1024, 1, False, 32, 500, target=2.0),
     Point("lstm1024_b32_tf32", "lstm", 1024, 1, False, 32, 500, precision="tf32", target=2.0),
