@@ -35,6 +35,11 @@ HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the ten
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
+def both_in_16_bits(plan: str) -> bool:
+    """Whether the plan's forward and backward both run the 16-bit grid kernels."""
+    return HALF_BOTH in plan or (HALF_FORWARD in plan and HALF_BACKWARD in plan)
+
+
 def make(rand, cls, D, H, layers=1, bidirectional=False, bias=True, lengths=(5,), with_state=True):
     torch.manual_seed(rand.seed % 2**31)
     ref = cls(D, H, num_layers=layers, bidirectional=bidirectional, bias=bias, batch_first=True)
@@ -425,7 +430,7 @@ def _grid_share_case(H, tf32, half, batch):
     torch.backends.cudnn.allow_tf32 = tf32
     plan = ops.rnn_plan("lstm", H, batch, "tf32" if tf32 else "fp32", DEV, half)
     assert plan.startswith("grid") and concurrency._blocks(plan) <= half, plan
-    assert (HALF_BOTH in plan or (HALF_FORWARD in plan and HALF_BACKWARD in plan)) == tf32, plan
+    assert both_in_16_bits(plan) == tf32, plan
 
 
 @pytest.mark.parametrize("H,tf32,tol,apart_tol", GRID_SHARES)
@@ -538,7 +543,7 @@ def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     assert ops.rnn_plan(cell, 1024, 17, "tf32", DEV, max_blocks=half) == ""
     plan = ops.rnn_plan(cell, 1024, len(lens), "tf32", DEV, max_blocks=half)
     assert plan.startswith("grid") and concurrency._blocks(plan) <= half and "x 2 groups" not in plan, plan
-    assert HALF_BOTH in plan or (HALF_FORWARD in plan and HALF_BACKWARD in plan), plan
+    assert both_in_16_bits(plan), plan
     compare_ops_with_cpu(rand, cell, lens, 30, 1024, cell == "gru", weights="tf32", max_blocks=half, tol=TF32_OP_TOL)
 
 
