@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import vlseq_ext.nn as vnn
 from vlseq_ext.nn import concurrency
 from vlseq_ext.bench.rnn import graph_of, precision
+from vlseq_ext.bench.timing import is_kernel
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph.replay()
             torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in prof.events() if is_kernel(e)), key=lambda e: e.time_range.start)
     t0 = kernels[0].time_range.start
     end = max(e.time_range.end for e in kernels)
     print(f"replay: {len(kernels)} kernels, {(end - t0) / 1e3:.3f} ms first start to last end")
