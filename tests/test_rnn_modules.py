@@ -97,8 +97,24 @@ def test_bad_input_is_named(rand, path):
         mine(x, lengths=torch.tensor([1.5, 2.0]))
     with raises_matching(ValueError, "needs batched input"):
         mine(rand.randn(5, 3), lengths=[5])
+    with raises_matching(ValueError, "input has 0 steps: every sample needs at least one"):
+        mine(rand.randn(2, 0, 3), lengths=torch.tensor([1, 1]))
     with raises_matching(ValueError, "kernels must be one of"):
         vnn.GRU(3, 4, kernels="fast")
+
+
+@pytest.mark.parametrize("cls", [vnn.LSTM, vnn.GRU])
+def test_a_batch_of_no_samples_with_lengths_gets_what_it_gets_without(rand, path, cls):
+    """torch's packing refuses an empty batch; lengths of shape (0,) say nothing, so the answer is
+    torch's own for the empty batch: empty outputs and states."""
+    mine = cls(3, 4, num_layers=2, batch_first=True, kernels="auto")
+    x = rand.randn(0, 5, 3)
+    out, state = mine(x, lengths=torch.zeros(0, dtype=torch.long))
+    want_out, want_state = mine(x)
+    assert out.shape == want_out.shape == (0, 5, 4)
+    for got, want in zip(state if isinstance(state, tuple) else (state,),
+                         want_state if isinstance(want_state, tuple) else (want_state,)):
+        assert got.shape == want.shape == (2, 0, 4)
 
 
 @pytest.mark.parametrize("given", ["padded", "lengths", "packed"])

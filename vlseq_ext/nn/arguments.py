@@ -78,6 +78,8 @@ def lengths_tensor(lengths, B: int, T: int, device, unbatched: bool) -> Optional
         raise ValueError(f"lengths must be integers, got {lengths.dtype}")
     if tuple(lengths.shape) != (B,):
         raise ValueError(f"lengths must have shape ({B},) (one per sample), got {tuple(lengths.shape)}")
+    if B and T == 0:
+        raise ValueError("input has 0 steps: every sample needs at least one")
     if lengths.device.type == "cpu" and B and (int(lengths.min()) < 1 or int(lengths.max()) > T):
         raise ValueError(f"lengths must be in 1..{T} (the padded number of steps), got "
                          f"{int(lengths.min())}..{int(lengths.max())}")

@@ -279,8 +279,9 @@ class _KernelRNN:
 
     def _torch_padded(self, x: Tensor, hx, lengths: Optional[Tensor]):
         """torch's RNN with the kernels' semantics for padded input: packed by lengths (a CUDA
-        lengths tensor is read on the host here), outputs zero past each length."""
-        if lengths is None:
+        lengths tensor is read on the host here), outputs zero past each length. A batch of no samples
+        gets torch's own (empty) answer, with lengths or without: packing refuses it."""
+        if lengths is None or x.shape[0] == 0:
             return self._batch_first_call(x, hx)
         T = x.shape[1]
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
