@@ -16,6 +16,10 @@
 #                                          # built into $PROBE_BIN unless that exists), then whether their grid
 #                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu) and
 #                                          # what their exchange through L2 costs (benchmarks/probe/l2_exchange.cu)
+#   bash benchmarks/run_on_gpu.sh windows  # what each window of a pipelined grid stack costs: the kernels of a
+#                                          # replay by stream (benchmarks/probe/window_timeline.py: LSTM 1024 x 2,
+#                                          # TF32, 1 and 8 samples, 1 / 4 / 8 windows) and the hidden-1024 grid
+#                                          # kernels' time outside their steps (step_timing); not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -119,11 +123,21 @@ if runs probe; then
     >> "$OUT/l2-exchange.log" 2>&1
   cat "$OUT/l2-exchange.log"
 fi
+if [ "$part" = windows ]; then
+  for b in 1 8; do
+    for w in 1 4 8; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
+  done > "$OUT/window-timeline.log" 2>&1 || rc=1
+  grep -v "^  " "$OUT/window-timeline.log"
+  build_probe
+  for c in "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2"; do echo "== step_timing $c"; timeout 60 "$bin" $c; done \
+    > "$OUT/outside-steps.log" 2>&1 || rc=1
+  grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
+fi
 if [ "$part" = ncu ]; then
   build_probe
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  # The kernels matched, each its first launch: launch-count 2 covers a case's forward and backward.
-  ${ncu:-ncu} --clock-control none -k "regex:${NCU_KERNELS:-fused}" --launch-count ${NCU_LAUNCHES:-2} \
+  # The kernels matched, each launched once: launch-count 2 covers a case's forward and backward.
+  VLSEQ_PROBE_LAUNCHES=1 ${ncu:-ncu} --clock-control none -k "regex:${NCU_KERNELS:-fused}" --launch-count ${NCU_LAUNCHES:-2} \
     --section SourceCounters --section WarpStateStats -f -o /tmp/vlseq-ncu "$bin" ${NCU_CASE:-64 1 1 lstm fp32 32} \
     > "$OUT/ncu.log" 2>&1 || rc=1
   ${ncu:-ncu} -i /tmp/vlseq-ncu.ncu-rep --page source --csv --print-source sass > /tmp/vlseq-ncu-source.csv 2>> "$OUT/ncu.log" &&
