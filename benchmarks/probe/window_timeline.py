@@ -1,7 +1,8 @@
 """What a pipelined grid stack's windows cost beyond their steps: the kernels of one forward + backward
 graph replay of a vlseq_ext.nn stack (torch.profiler's CUDA activity), in start order with their
-stream, start, length and the gap before them on their stream; then the recurrent launches' lengths
-against their window's steps, fitted as fixed + per-step (the fixed part is what each window adds).
+stream, start, length and the gap before them on their stream (--list); then the recurrent launches'
+lengths, forward and backward. Runs at several window counts side by side say what a window adds:
+the launches' total against their steps, and the replay's span against the launches'.
 
     python3 benchmarks/probe/window_timeline.py [--hidden 1024] [--layers 2] [--batch 1] [--steps 436]
         [--windows 4] [--precision tf32] [--list]
@@ -70,7 +71,6 @@ def main() -> None:
             print(f"  {(s - t0) / 1e3:8.3f} ms  stream {stream:3d}  {d / 1e3:7.3f} ms  gap {gap:7.1f} us  {name[:90]}")
         if "rnn_" in name and ("grid" in name or "fused" in name):
             rec.append((name, d))
-    # Each recurrent launch covers a window: windows of round(T / W) steps (the last takes the rest).
     for kind in ("forward", "backward"):
         ds = [d for n, d in rec if kind in n]
         if ds:
