@@ -1,7 +1,8 @@
 // Where one step of the persistent LSTM/GRU kernels spends its time: block 0's thread 0 stamps
 // clock64() at each phase boundary (VLSEQ_RNN_TIMING), averaged over the middle steps of one launch (the second
 // of two: the first loads the code), and what the launch spends outside its steps (its time against the steps'
-// span, block 0's clocks at the SM clock's rate measured first: loading W_hh, the first barrier, the final stores).
+// span, block 0's clocks at the SM clock's rate during them, which the global timer gives: loading W_hh, the first
+// barrier, the final stores). The rate is printed beside an idle spin's: MMA-heavy kernels can run slower clocks.
 // Usage: step_timing H B nc [lstm|gru] [fp32|bf16] [groups] [bt]   (default LSTM, fp32, 1 group, the
 // batch tile the planner would take; 480 steps, each group B samples on nc blocks): the generic kernels,
 // then, in fp32, the fused ones and the reduce-scatter backward where they fit; nc > 16: the grid kernels,
@@ -75,6 +76,7 @@ void launch(const void* kernel, const A& args, int blocks, int nc, int smem, boo
   for (int rep = 0; rep < launches && e == cudaSuccess; ++rep) {
     if (arrivals) cudaMemset(arrivals, 0, counters * sizeof(unsigned));
     cudaMemcpyToSymbol(g_step_clock, zeros, sizeof(zeros));
+    cudaMemcpyToSymbol(g_step_ns, zeros, sizeof(g_step_ns));
     cudaEventRecord(a);
     void* params[] = {const_cast<A*>(&args)};
     e = cudaLaunchKernelExC(&l.cfg, kernel, params);
@@ -87,9 +89,25 @@ void launch(const void* kernel, const A& args, int blocks, int nc, int smem, boo
   printf("  launch %s, %.3f ms\n", cudaGetErrorString(e), ms);
 }
 
+// The SM clock's rate during a launch's steps (GHz): block 0's clocks against the global timer between the
+// first and the last step it stamped both at (every 64th); the idle spin's rate where fewer than two are.
+double steps_clock_ghz(int dir, const long long (&clk)[2][8][4096], const unsigned long long (&ns)[2][4096]) {
+  int a = -1, b = -1;
+  for (int s = 0; s < 4096; ++s) {
+    if (!ns[dir][s] || !clk[dir][0][s]) continue;
+    if (a < 0 || clk[dir][0][s] < clk[dir][0][a]) a = s;
+    if (b < 0 || clk[dir][0][s] > clk[dir][0][b]) b = s;
+  }
+  if (a < 0 || a == b || ns[dir][b] <= ns[dir][a]) return g_clock_ghz;
+  return static_cast<double>(clk[dir][0][b] - clk[dir][0][a]) / static_cast<double>(ns[dir][b] - ns[dir][a]);
+}
+
 void report(int dir, int phases, int T, const char* const* names) {
   static long long clk[2][8][4096];
+  static unsigned long long ns[2][4096];
   cudaMemcpyFromSymbol(clk, g_step_clock, sizeof(clk));
+  cudaMemcpyFromSymbol(ns, g_step_ns, sizeof(ns));
+  const double ghz = steps_clock_ghz(dir, clk, ns);
   double sum[8] = {0};
   int n = 0;
   for (int s = 10; s < T - 10; ++s, ++n)
@@ -99,19 +117,19 @@ void report(int dir, int phases, int T, const char* const* names) {
     }
   double total = 0;
   for (int k = 0; k < phases; ++k) total += sum[k] / n;
-  printf("  %s step: %.0f cycles (%.2f us at 1.98 GHz):", dir ? "backward" : "forward", total, total / 1980.0);
+  printf("  %s step: %.0f cycles (%.2f us at %.2f GHz):", dir ? "backward" : "forward", total, total / (ghz * 1e3), ghz);
   for (int k = 0; k < phases; ++k) printf(" %s %.0f", names[k], sum[k] / n);
   printf("\n");
-  // The steps' span (first step's start to the last's, plus one step) in clocks at the SM clock's rate,
-  // against the launch's time.
+  // The steps' span (first step's start to the last's, plus one step) in clocks at the SM clock's rate during
+  // them, against the launch's time.
   long long lo = LLONG_MAX, hi = 0;
   int stamped = 0;
   for (int s = 0; s < std::min(T, 4096); ++s)
     if (clk[dir][0][s]) lo = std::min(lo, clk[dir][0][s]), hi = std::max(hi, clk[dir][0][s]), ++stamped;
   if (stamped > 1 && g_launch_ms > 0) {
-    const double steps_ms = (hi - lo) / (g_clock_ghz * 1e6) * stamped / (stamped - 1);
-    printf("  outside the steps: %.1f us (launch %.3f ms, %d steps %.3f ms at %.3f GHz)\n",
-           (g_launch_ms - steps_ms) * 1e3, g_launch_ms, stamped, steps_ms, g_clock_ghz);
+    const double steps_ms = (hi - lo) / (ghz * 1e6) * stamped / (stamped - 1);
+    printf("  outside the steps: %.1f us (launch %.3f ms, %d steps %.3f ms at %.3f GHz; idle spin %.3f GHz)\n",
+           (g_launch_ms - steps_ms) * 1e3, g_launch_ms, stamped, steps_ms, ghz, g_clock_ghz);
   }
 }
 

@@ -318,11 +318,22 @@ __host__ __device__ inline int split_lanes(int rows, int nb, int bt, int k4n) {
 
 #if defined(__CUDACC__)
 
-// Phase timestamps of block 0, thread 0, for benchmarks/probe/step_timing.cu (compiled out otherwise).
+// Phase timestamps of block 0, thread 0, for benchmarks/probe/step_timing.cu (compiled out otherwise): the SM
+// clock at each phase, and the global timer (ns) at phase 0 of every 64th step, which gives the SM clock's rate
+// during the steps (kernels heavy on the tensor cores can run below the clock an idle spin measures).
 #ifdef VLSEQ_RNN_TIMING
 __device__ long long g_step_clock[2][8][4096];
+__device__ unsigned long long g_step_ns[2][4096];
+__device__ __forceinline__ void mark_step(int dir, int k, int s) {
+  g_step_clock[dir][k][s] = clock64();
+  if (k == 0 && s % 64 == 0) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    g_step_ns[dir][s] = ns;
+  }
+}
 #define VLSEQ_MARK(dir, k, s) \
-  if (threadIdx.x == 0 && blockIdx.x == 0 && (s) >= 0 && (s) < 4096) g_step_clock[dir][k][s] = clock64()
+  if (threadIdx.x == 0 && blockIdx.x == 0 && (s) >= 0 && (s) < 4096) mark_step(dir, k, s)
 #else
 #define VLSEQ_MARK(dir, k, s)
 #endif
