@@ -13,13 +13,16 @@
 #   bash benchmarks/run_on_gpu.sh tsc-cpu  # the same suite's CPU runs of SeqClassifier (5 seeds x 2 sets)
 #   bash benchmarks/run_on_gpu.sh probe    # step timings of the recurrent kernels (benchmarks/probe/step_timing.cu)
 #                                          # for PROBE_CASES ("H B nc [lstm|gru] [fp32|bf16] [groups] [bt]", ';'-separated;
-#                                          # built into $PROBE_BIN unless that exists), then whether their grid
-#                                          # layout could run as clusters (benchmarks/probe/cluster_grid.cu) and
+#                                          # built into $PROBE_BIN, again when the sources change; PROBE_PATCH=file:
+#                                          # also from the sources with that diff applied, each case run on both),
+#                                          # then whether their grid layout could run as clusters (benchmarks/probe/
+#                                          # cluster_grid.cu) and
 #                                          # what their exchange through L2 costs (benchmarks/probe/l2_exchange.cu)
 #   bash benchmarks/run_on_gpu.sh windows  # what each window of a pipelined grid stack costs: the kernels of a
 #                                          # replay by stream (benchmarks/probe/window_timeline.py: LSTM 1024 x 2,
 #                                          # TF32, 1 and 8 samples, 1 / 4 / 8 windows) and the hidden-1024 grid
-#                                          # kernels' time outside their steps (step_timing); not part of all
+#                                          # kernels' time outside their steps (step_timing, PROBE_PATCH's kernels too,
+#                                          # as in probe); not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -95,20 +98,56 @@ if runs rnn; then
     > "$OUT/rnn-bench.log" 2>&1 || rc=1
   tail -40 "$OUT/rnn-bench.log"
 fi
-# The step-timing probe (benchmarks/probe/step_timing.cu), built into $bin unless it exists (probe, ncu);
+# The step-timing probe (benchmarks/probe/step_timing.cu), built into $bin (probe, windows, ncu);
 # -lineinfo maps ncu's samples to source lines and leaves the SASS as it is.
 bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
-build_probe() {
-  [ -x "$bin" ] && return
+build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (default: this one's) into the binary,
+  # again whenever the tree's sources differ from those it was built from (a warm machine keeps the last call's)
+  local out=${1:-$bin} tree=${2:-.} sums log
+  log="$OUT/$(basename "$out")-build.log"
+  sums=$(cd "$tree" && find csrc benchmarks/probe -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1)
+  # (a binary that this function did not build, named by PROBE_BIN, is taken as it is)
+  [ -x "$out" ] && { [ ! -e "$out.sources" ] || [ "$(cat "$out.sources")" = "$sums" ]; } && return
   ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
   pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$bin" benchmarks/probe/step_timing.cu -Icsrc/include \
-    -Icsrc/cuda $ti -I"$pyi" > "$OUT/probe-build.log" 2>&1 || { tail -20 "$OUT/probe-build.log"; rc=1; }
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$out" "$tree/benchmarks/probe/step_timing.cu" \
+    -I"$tree/csrc/include" -I"$tree/csrc/cuda" $ti -I"$pyi" > "$log" 2>&1 &&
+    echo "$sums" > "$out.sources" || { tail -20 "$log"; rc=1; }
+}
+# PROBE_PATCH=file (a diff against this tree, `git diff` style): the probe is also built from a copy of csrc and
+# benchmarks/probe with the patch applied, and `probe` / `windows` run their step timings on both, the patched
+# kernels' after this tree's: the A/B of a kernel change in one call, without rebuilding the extension.
+bin_b=/tmp/vlseq_step_timing_patched
+build_probe_patched() {
+  [ -n "${PROBE_PATCH:-}" ] || return 1
+  local tree=/tmp/vlseq-probe-patched diff
+  diff=$(realpath "$PROBE_PATCH") && rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r csrc "$tree/" &&
+    cp -r benchmarks/probe "$tree/benchmarks/" && (cd "$tree" && git apply "$diff") ||
+    { echo "PROBE_PATCH $PROBE_PATCH does not apply"; rc=1; return 1; }
+  build_probe "$bin_b" "$tree"
+}
+# Both probes at once (nvcc compiles the probe on one core for ~2 minutes).
+build_probes() {
+  build_probe_patched > "$OUT/probe-patched.log" 2>&1 &
+  build_probe
+  wait
+  cat "$OUT/probe-patched.log"
+  [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ] || rc=1
+}
+# Runs step_timing for each line of stdin ("H B nc ..."), on this tree's kernels and, with PROBE_PATCH, the patched.
+step_timings() {
+  local t=$1
+  while read -r args; do
+    echo "== step_timing $args"; timeout "$t" "$bin" $args < /dev/null
+    if [ -n "${PROBE_PATCH:-}" ] && [ -x "$bin_b" ]; then
+      echo "== step_timing $args (PROBE_PATCH)"; timeout "$t" "$bin_b" $args < /dev/null
+    fi
+  done
 }
 if runs probe; then
-  build_probe
+  build_probes
   echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1;1024 32 128;1024 1 128}" | tr ';' '\n' |
-    while read -r args; do timeout 30 "$bin" $args; done > "$OUT/step-timing.log" 2>&1 || rc=1
+    step_timings 30 > "$OUT/step-timing.log" 2>&1 || rc=1
   cat "$OUT/step-timing.log"
   # Whether the grid kernels could run as clusters (benchmarks/probe/cluster_grid.cu).
   ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -o /tmp/vlseq_cluster_grid benchmarks/probe/cluster_grid.cu \
@@ -128,9 +167,8 @@ if [ "$part" = windows ]; then
     for w in 1 4 8; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
   done > "$OUT/window-timeline.log" 2>&1 || rc=1
   grep -v "^  " "$OUT/window-timeline.log"
-  build_probe
-  for c in "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2"; do echo "== step_timing $c"; timeout 60 "$bin" $c; done \
-    > "$OUT/outside-steps.log" 2>&1 || rc=1
+  build_probes
+  printf '%s\n' "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2" | step_timings 60 > "$OUT/outside-steps.log" 2>&1 || rc=1
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
 if [ "$part" = ncu ]; then
