@@ -110,6 +110,7 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
   [ -x "$out" ] && { [ ! -e "$out.sources" ] || [ "$(cat "$out.sources")" = "$sums" ]; } && return
   ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
   pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+  rm -f "$out" "$out.sources"
   ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$out" "$tree/benchmarks/probe/step_timing.cu" \
     -I"$tree/csrc/include" -I"$tree/csrc/cuda" $ti -I"$pyi" > "$log" 2>&1 &&
     echo "$sums" > "$out.sources" || { tail -20 "$log"; rc=1; }
@@ -163,11 +164,15 @@ if runs probe; then
   cat "$OUT/l2-exchange.log"
 fi
 if [ "$part" = windows ]; then
+  build_probes > "$OUT/probes.log" 2>&1 &  # on the CPU while the timelines replay on the GPU
+  probes=$!
   for b in 1 8; do
     for w in 1 4 8; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
   done > "$OUT/window-timeline.log" 2>&1 || rc=1
   grep -v "^  " "$OUT/window-timeline.log"
-  build_probes
+  wait $probes
+  cat "$OUT/probes.log"
+  [ -x "$bin" ] && { [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ]; } || rc=1
   printf '%s\n' "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2" | step_timings 60 > "$OUT/outside-steps.log" 2>&1 || rc=1
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
