@@ -41,8 +41,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Built again whenever the sources differ from those of the installed build: a machine kept warm
 # between calls keeps the last call's extension, and its sources may have changed since (the
 # eleventh session's last suite ran on the previous call's kernels that way).
+# One sha1 of every file under the paths given (relative to the current directory).
+sources_sum() { find "$@" -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1; }
 stamp=build/vlseq-sources.sha1
-sources=$(find csrc setup.py -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1)
+sources=$(sources_sum csrc setup.py)
 if ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; then
   MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -105,7 +107,7 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
   # again whenever the tree's sources differ from those it was built from (a warm machine keeps the last call's)
   local out=${1:-$bin} tree=${2:-.} sums log
   log="$OUT/$(basename "$out")-build.log"
-  sums=$(cd "$tree" && find csrc benchmarks/probe -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1)
+  sums=$(cd "$tree" && sources_sum csrc benchmarks/probe)
   # (a binary that this function did not build, named by PROBE_BIN, is taken as it is)
   [ -x "$out" ] && { [ ! -e "$out.sources" ] || [ "$(cat "$out.sources")" = "$sums" ]; } && return
   ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
@@ -127,13 +129,13 @@ build_probe_patched() {
     { echo "PROBE_PATCH $PROBE_PATCH does not apply"; rc=1; return 1; }
   build_probe "$bin_b" "$tree"
 }
-# Both probes at once (nvcc compiles the probe on one core for ~2 minutes).
+# Both probes at once (nvcc compiles the probe on one core for ~2 minutes); fails unless each was built.
 build_probes() {
   build_probe_patched > "$OUT/probe-patched.log" 2>&1 &
   build_probe
   wait
   cat "$OUT/probe-patched.log"
-  [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ] || rc=1
+  [ -x "$bin" ] && { [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ]; }
 }
 # Runs step_timing for each line of stdin ("H B nc ..."), on this tree's kernels and, with PROBE_PATCH, the patched.
 step_timings() {
@@ -146,7 +148,7 @@ step_timings() {
   done
 }
 if runs probe; then
-  build_probes
+  build_probes || rc=1
   echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1;1024 32 128;1024 1 128}" | tr ';' '\n' |
     step_timings 30 > "$OUT/step-timing.log" 2>&1 || rc=1
   cat "$OUT/step-timing.log"
@@ -170,9 +172,8 @@ if [ "$part" = windows ]; then
     for w in 1 4 8; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
   done > "$OUT/window-timeline.log" 2>&1 || rc=1
   grep -v "^  " "$OUT/window-timeline.log"
-  wait $probes
+  wait $probes || rc=1
   cat "$OUT/probes.log"
-  [ -x "$bin" ] && { [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ]; } || rc=1
   printf '%s\n' "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2" | step_timings 60 > "$OUT/outside-steps.log" 2>&1 || rc=1
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
