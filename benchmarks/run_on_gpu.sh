@@ -22,7 +22,8 @@
 #                                          # replay by stream (benchmarks/probe/window_timeline.py: LSTM 1024 x 2,
 #                                          # TF32, 1 and 8 samples, 1 / 4 / 8 windows) and the hidden-1024 grid
 #                                          # kernels' time outside their steps (step_timing, PROBE_PATCH's kernels too,
-#                                          # as in probe); not part of all
+#                                          # as in probe; WINDOW_BATCHES / WINDOW_COUNTS pick other sample
+#                                          # and window counts); not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -168,8 +169,8 @@ fi
 if [ "$part" = windows ]; then
   build_probes > "$OUT/probes.log" 2>&1 &  # on the CPU while the timelines replay on the GPU
   probes=$!
-  for b in 1 8; do
-    for w in 1 4 8; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
+  for b in ${WINDOW_BATCHES:-1 8}; do
+    for w in ${WINDOW_COUNTS:-1 4 8}; do timeout 120 $PY benchmarks/probe/window_timeline.py --batch $b --windows $w $([ $w = 4 ] && echo --list); done
   done > "$OUT/window-timeline.log" 2>&1 || rc=1
   grep -v "^  " "$OUT/window-timeline.log"
   wait $probes || rc=1
