@@ -204,6 +204,11 @@ __device__ __forceinline__ float2 fp16_scale(float m) {
   if (E >= 255) return make_float2(1.0f, 1.0f);
   return make_float2(__uint_as_float(static_cast<unsigned>(E - 14) << 23), __uint_as_float(static_cast<unsigned>(268 - E) << 23));
 }
+// The inverse of a scale fp16_scale gave (a normal power of 2, 2^-126 .. 2^113), from its exponent bits: exact,
+// as 1 / scale is, where the division's call to its slow path kept the prologues' loads of each row waiting.
+__device__ __forceinline__ float fp16_scale_inverse(float scale) {
+  return __uint_as_float((254u - (__float_as_uint(scale) >> 23)) << 23);
+}
 
 // Whether any of samples n0 .. n0 + 7 runs at step s (the same answer in every lane).
 __device__ __forceinline__ bool tile_runs(const int* lens, int n0, int bv, int s) {
@@ -356,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     for (int half = 0; half < 2; ++half) {
       const int row = 16 * m + gr + 8 * half;
       const float* src = block_row(a.w_hh, G, g, blk, row);
-      const float inv = 1.0f / scale_s[row];
+      const float inv = fp16_scale_inverse(scale_s[row]);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int c = warp * KW + 32 * (ks / 2) + 8 * t + 4 * (ks % 2);
@@ -434,16 +439,29 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][R]: gate k of unit j at k * U + j
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
 
-  // Column j0 + u's scale, fp16_scale of its largest |w| over the G * H rows (of 0 past the block's units):
-  // lanes u and u + 16 of every warp over rows 2 * warp + lane / 16 + 16 i, 64 contiguous bytes a row.
+  // Column j0 + u's scale, fp16_scale of its largest |w| over the G * H rows (of 0 past the block's units).
+  // Each lane reads the weights its A fragments take (below; together they cover every row < G * H), 128
+  // independent loads for each of its two units, where a loop over the rows (unrolled 4 deep by nvcc) made 64
+  // trips to memory a lane; the maxima meet over the quad (shuffles), then over the warps (part_s).
   {
-    const int u = lane % U;
-    float m = 0.0f;
-    if (u < blk.hv)
-      for (int r = 2 * warp + lane / U; r < G * H; r += 2 * kWarps)
-        m = fmaxf(m, fabsf(a.w_hh[static_cast<int64_t>(r) * H + blk.j0 + u]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, U));
-    if (lane < U) part_s[warp * U + u] = m;
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      const int u = gr + 8 * half;
+      const float* col = a.w_hh + blk.j0 + u;
+      float m = 0.0f;
+#pragma unroll
+      for (int i = 0; i < SB; ++i)
+#pragma unroll
+        for (int k = 0; k < G; ++k)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = (warp * SB + i) * U + 4 * t + e;
+            if (u < blk.hv && r < H) m = fmaxf(m, fabsf(col[static_cast<int64_t>(k * H + r) * H]));
+          }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if (t == 0) part_s[warp * U + u] = m;
+    }
     __syncthreads();
     if (tid < U) {
       float mm = 0.0f;
@@ -459,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   for (int half = 0; half < 2; ++half) {
     const int u = gr + 8 * half;
     const bool mine = u < blk.hv;
-    const float inv = 1.0f / wscale_s[u];
+    const float inv = fp16_scale_inverse(wscale_s[u]);
     const float* col = a.w_hh + blk.j0 + u;
 #pragma unroll
     for (int i = 0; i < SB; ++i)
