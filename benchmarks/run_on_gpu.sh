@@ -24,6 +24,9 @@
 #                                          # kernels' time outside their steps (step_timing, PROBE_PATCH's kernels too,
 #                                          # as in probe; WINDOW_BATCHES / WINDOW_COUNTS pick other sample
 #                                          # and window counts); not part of all
+#   bash benchmarks/run_on_gpu.sh exchange # the grid forward's exchange of h on its own, with its barrier and without
+#                                          # (benchmarks/probe/l2_exchange.cu publish / tagged: 64 and 128 blocks,
+#                                          # 2 / 16 / 32 KiB: LSTM 1024's h in fp16 at 1 / 8 / 16 samples); not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -46,12 +49,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 sources_sum() { find "$@" -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1; }
 stamp=build/vlseq-sources.sha1
 sources=$(sources_sum csrc setup.py)
-if ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; then
+# (`exchange` runs a standalone probe: no extension needed)
+if [ "$part" != exchange ] && { ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; }; then
   MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   mkdir -p build && echo "$sources" > "$stamp"
 fi
-echo "extension built from sources $sources" >> "$OUT/gpus.txt"
+[ "$part" = exchange ] || echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if runs tests || runs tsc || runs tsc-cpu; then
@@ -177,6 +181,15 @@ if [ "$part" = windows ]; then
   cat "$OUT/probes.log"
   printf '%s\n' "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2" | step_timings 60 > "$OUT/outside-steps.log" 2>&1 || rc=1
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
+fi
+if [ "$part" = exchange ]; then
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -O3 -o /tmp/vlseq_l2_exchange benchmarks/probe/l2_exchange.cu \
+    > "$OUT/exchange.log" 2>&1 || { cat "$OUT/exchange.log"; rc=1; }
+  for nb in 64 128; do
+    timeout 30 /tmp/vlseq_l2_exchange none $nb 2 480
+    for kib in 2 16 32; do for m in same publish tagged; do timeout 30 /tmp/vlseq_l2_exchange $m $nb $kib 480; done; done
+  done >> "$OUT/exchange.log" 2>&1 || rc=1
+  cat "$OUT/exchange.log"
 fi
 if [ "$part" = ncu ]; then
   build_probe

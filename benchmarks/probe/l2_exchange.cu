@@ -11,6 +11,15 @@
 //              issues 1/cluster of them, delivered to all its cluster's blocks
 //   write      float4 __stcg stores of a block's own region (the backward's partials), then the barrier
 //   gather     the backward's gather: 32-byte pieces (8 units of a sample) from every block's region
+//   publish    the grid forward's whole exchange: each block stores its 1/blocks of the region (__stcg), the
+//              barrier (its fence waits for those stores), then cp.async.cg of all of it (as same)
+//   tagged     the same exchange with no barrier: each block stores its share as 8-byte words of 4 bytes of
+//              data and a 4-byte tag (the step), two to a 16-byte store, and every block polls the whole
+//              region's words until each carries this step's tag (an aligned 8-byte access is single-copy
+//              atomic: data and tag arrive together); twice the bytes, one trip through L2 instead of three.
+//              Two buffers by step parity: a block stores step s's share only after reading all of step
+//              s - 1's, whose shares each block stored after reading all of step s - 2's (the buffer
+//              overwritten), so no reader is still on it.
 // Usage: l2_exchange mode [blocks=128] [kib=128] [steps=200] [cluster=1]
 // Prints microseconds and clocks per step (median of the blocks' own clocks) and the data rate.
 #include <algorithm>
@@ -21,7 +30,7 @@
 
 #include "probe_launch.h"
 
-enum Mode { kNone, kSame, kRotate, kDistinct, kBulk, kMulticast, kWrite, kGather };
+enum Mode { kNone, kSame, kRotate, kDistinct, kBulk, kMulticast, kWrite, kGather, kPublish, kTagged };
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -99,6 +108,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (mode == kWrite) {
       float4* to = reinterpret_cast<float4*>(dst + static_cast<int64_t>(blockIdx.x) * (bytes / 4));
       for (int e = tid; e < n16; e += kThreads) __stcg(to + e, make_float4(s, e, 1.0f, 2.0f));
+    } else if (mode == kPublish || mode == kTagged) {
+      // Block q's share: lines [q * per, (q + 1) * per) of 16 bytes of data (publish) or of tagged words (tagged).
+      const int lines = mode == kTagged ? 2 * n16 : n16, per = lines / nb;
+      if (mode == kPublish) {
+        float4* to = reinterpret_cast<float4*>(dst);
+        for (int e = tid; e < per; e += kThreads) __stcg(to + blockIdx.x * per + e, make_float4(s, e, 1.0f, 2.0f));
+        grid_barrier(counter, static_cast<unsigned>(nb) * (s + 2));
+        for (int e = tid; e < n16; e += kThreads)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem + 16 * e)), "l"(dst + 4 * e)
+                       : "memory");
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+      } else {
+        const unsigned tag = s + 1;  // the buffers start zeroed: no word carries a tag before it is stored
+        uint4* buf = reinterpret_cast<uint4*>(dst) + static_cast<int64_t>(s & 1) * lines;
+        for (int e = tid; e < per; e += kThreads)
+          asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(buf + blockIdx.x * per + e),
+                       "r"(__float_as_uint(static_cast<float>(s))), "r"(tag), "r"(static_cast<unsigned>(e)) : "memory");
+        for (int e = tid; e < lines; e += kThreads) {
+          uint4 v;
+          do asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(buf + e) : "memory");
+          while (v.y != tag || v.w != tag);
+          reinterpret_cast<uint2*>(smem)[e] = make_uint2(v.x, v.z);
+        }
+        __syncthreads();
+      }
     } else if (mode == kGather) {
       // Sample b's 8 units of this block from every block q: 32 bytes at region q, row b.
       const int samples = bytes / (32 * nb);
@@ -113,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       keep += acc.x + acc.y + acc.z + acc.w;
     }
     if (mode != kNone && mode != kWrite && mode != kGather) keep += reinterpret_cast<const float*>(smem)[tid];
-    grid_barrier(counter, static_cast<unsigned>(nb) * (s + 2));
+    if (mode != kPublish && mode != kTagged) grid_barrier(counter, static_cast<unsigned>(nb) * (s + 2));
   }
   if (tid == 0) clocks[blockIdx.x] = clock64() - t0;
   if (keep == 12345.0f) sink[blockIdx.x] = keep;
@@ -121,17 +156,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 int main(int argc, char** argv) {
-  const char* names[] = {"none", "same", "rotate", "distinct", "bulk", "multicast", "write", "gather"};
+  const char* names[] = {"none", "same", "rotate", "distinct", "bulk", "multicast", "write", "gather", "publish", "tagged"};
   int mode = -1;
-  for (int m = 0; m < 8; ++m)
+  for (int m = 0; m < 10; ++m)
     if (argc > 1 && !strcmp(argv[1], names[m])) mode = m;
   if (mode < 0) {
-    fprintf(stderr, "usage: l2_exchange none|same|rotate|distinct|bulk|multicast|write|gather [blocks] [kib] [steps] [cluster]\n");
+    fprintf(stderr, "usage: l2_exchange none|same|rotate|distinct|bulk|multicast|write|gather|publish|tagged [blocks] [kib] [steps] [cluster]\n");
     return 2;
   }
   const int blocks = argc > 2 ? atoi(argv[2]) : 128, bytes = (argc > 3 ? atoi(argv[3]) : 128) * 1024;
   const int steps = argc > 4 ? atoi(argv[4]) : 200, csize = mode == kMulticast && argc > 5 ? atoi(argv[5]) : 1;
-  const size_t region = static_cast<size_t>(bytes) * blocks;
+  // (tagged: two buffers of twice the bytes, so at least 4 blocks)
+  const size_t region = static_cast<size_t>(bytes) * std::max(blocks, 4);
   float *src, *dst, *sink;
   unsigned* counter;
   long long* clocks;
@@ -150,6 +186,7 @@ int main(int argc, char** argv) {
   std::vector<long long> cl(blocks);
   for (int rep = 0; rep < 5; ++rep) {
     cudaMemset(counter, 0, 4);
+    if (mode == kTagged) cudaMemset(dst, 0, region);  // the last run's tags would match this one's steps
     cudaEventRecord(e0);
     const cudaError_t le = cudaLaunchKernelEx(&l.cfg, exchange, mode, bytes, steps, csize, static_cast<const float*>(src),
                                               dst, counter, clocks, sink);
