@@ -123,11 +123,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const unsigned tag = s + 1;  // the buffers start zeroed: no word carries a tag before it is stored
         uint4* buf = reinterpret_cast<uint4*>(dst) + static_cast<int64_t>(s & 1) * lines;
         for (int e = tid; e < per; e += kThreads)
-          asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(buf + blockIdx.x * per + e),
+          asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(buf + blockIdx.x * per + e),
                        "r"(__float_as_uint(static_cast<float>(s))), "r"(tag), "r"(static_cast<unsigned>(e)) : "memory");
         for (int e = tid; e < lines; e += kThreads) {
           uint4 v;
-          do asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+          do asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                           : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(buf + e) : "memory");
           while (v.y != tag || v.w != tag);
           reinterpret_cast<uint2*>(smem)[e] = make_uint2(v.x, v.z);
