@@ -49,13 +49,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 sources_sum() { find "$@" -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1; }
 stamp=build/vlseq-sources.sha1
 sources=$(sources_sum csrc setup.py)
-# (`exchange` runs a standalone probe: no extension needed)
-if [ "$part" != exchange ] && { ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; }; then
-  MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
-    $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  mkdir -p build && echo "$sources" > "$stamp"
+if [ "$part" != exchange ]; then  # (`exchange` runs a standalone probe: no extension needed)
+  if ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; then
+    MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
+      $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    mkdir -p build && echo "$sources" > "$stamp"
+  fi
+  echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 fi
-[ "$part" = exchange ] || echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if runs tests || runs tsc || runs tsc-cpu; then
@@ -152,6 +153,10 @@ step_timings() {
     fi
   done
 }
+# The exchange probe (benchmarks/probe/l2_exchange.cu) into /tmp/vlseq_l2_exchange, nvcc's output to $OUT/$1.
+build_l2_exchange() {
+  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -O3 -o /tmp/vlseq_l2_exchange benchmarks/probe/l2_exchange.cu > "$OUT/$1" 2>&1
+}
 if runs probe; then
   build_probes || rc=1
   echo "${PROBE_CASES:-256 1 16;256 4 16;256 8 16;256 1 16 gru;256 8 16 gru;128 1 16;64 1 1;1024 32 128;1024 1 128}" | tr ';' '\n' |
@@ -162,8 +167,7 @@ if runs probe; then
     > "$OUT/cluster-grid.log" 2>&1 && timeout 60 /tmp/vlseq_cluster_grid >> "$OUT/cluster-grid.log" 2>&1 || rc=1
   cat "$OUT/cluster-grid.log"
   # What the grid kernels' exchange through L2 costs on its own (benchmarks/probe/l2_exchange.cu).
-  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -O3 -o /tmp/vlseq_l2_exchange benchmarks/probe/l2_exchange.cu \
-    > "$OUT/l2-exchange.log" 2>&1 || rc=1
+  build_l2_exchange l2-exchange.log || rc=1
   for m in none same rotate distinct bulk write gather; do timeout 30 /tmp/vlseq_l2_exchange $m; done >> "$OUT/l2-exchange.log" 2>&1
   # Clusters of 4 and 8 at one block per SM: 30 and 15 fit on an H200 (120 blocks), so not 128.
   for bc in "128 2" "120 4" "120 8"; do read -r nb cs <<< "$bc"; timeout 30 /tmp/vlseq_l2_exchange multicast $nb 128 200 $cs; done \
@@ -183,12 +187,14 @@ if [ "$part" = windows ]; then
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
 if [ "$part" = exchange ]; then
-  ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -O3 -o /tmp/vlseq_l2_exchange benchmarks/probe/l2_exchange.cu \
-    > "$OUT/exchange.log" 2>&1 || { cat "$OUT/exchange.log"; rc=1; }
-  for nb in 64 128; do
-    timeout 30 /tmp/vlseq_l2_exchange none $nb 2 480
-    for kib in 2 16 32; do for m in same publish tagged; do timeout 30 /tmp/vlseq_l2_exchange $m $nb $kib 480; done; done
-  done >> "$OUT/exchange.log" 2>&1 || rc=1
+  if build_l2_exchange exchange.log; then
+    for nb in 64 128; do
+      timeout 30 /tmp/vlseq_l2_exchange none $nb 2 480
+      for kib in 2 16 32; do for m in same publish tagged; do timeout 30 /tmp/vlseq_l2_exchange $m $nb $kib 480; done; done
+    done >> "$OUT/exchange.log" 2>&1 || rc=1
+  else
+    rc=1
+  fi
   cat "$OUT/exchange.log"
 fi
 if [ "$part" = ncu ]; then

@@ -76,7 +76,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float keep = 0.0f;
   for (int s = 0; s < steps; ++s) {
     const char* from = reinterpret_cast<const char*>(src);
-    if (mode == kSame || mode == kRotate || mode == kDistinct) {
+    if (mode == kPublish) {  // this block's 1/blocks of the region, the barrier, then staged as same
+      float4* to = reinterpret_cast<float4*>(dst);
+      const int per = n16 / nb;
+      for (int e = tid; e < per; e += kThreads) __stcg(to + blockIdx.x * per + e, make_float4(s, e, 1.0f, 2.0f));
+      grid_barrier(counter, static_cast<unsigned>(nb) * (s + 2));
+      from = reinterpret_cast<const char*>(dst);
+    }
+    if (mode == kSame || mode == kRotate || mode == kDistinct || mode == kPublish) {
       if (mode == kDistinct) from += static_cast<int64_t>(blockIdx.x) * bytes;
       const int shift = mode == kRotate ? (blockIdx.x * (n16 / nb)) : 0;
       for (int e = tid; e < n16; e += kThreads) {
@@ -108,32 +115,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (mode == kWrite) {
       float4* to = reinterpret_cast<float4*>(dst + static_cast<int64_t>(blockIdx.x) * (bytes / 4));
       for (int e = tid; e < n16; e += kThreads) __stcg(to + e, make_float4(s, e, 1.0f, 2.0f));
-    } else if (mode == kPublish || mode == kTagged) {
-      // Block q's share: lines [q * per, (q + 1) * per) of 16 bytes of data (publish) or of tagged words (tagged).
-      const int lines = mode == kTagged ? 2 * n16 : n16, per = lines / nb;
-      if (mode == kPublish) {
-        float4* to = reinterpret_cast<float4*>(dst);
-        for (int e = tid; e < per; e += kThreads) __stcg(to + blockIdx.x * per + e, make_float4(s, e, 1.0f, 2.0f));
-        grid_barrier(counter, static_cast<unsigned>(nb) * (s + 2));
-        for (int e = tid; e < n16; e += kThreads)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem + 16 * e)), "l"(dst + 4 * e)
-                       : "memory");
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-      } else {
-        const unsigned tag = s + 1;  // the buffers start zeroed: no word carries a tag before it is stored
-        uint4* buf = reinterpret_cast<uint4*>(dst) + static_cast<int64_t>(s & 1) * lines;
-        for (int e = tid; e < per; e += kThreads)
-          asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(buf + blockIdx.x * per + e),
-                       "r"(__float_as_uint(static_cast<float>(s))), "r"(tag), "r"(static_cast<unsigned>(e)) : "memory");
-        for (int e = tid; e < lines; e += kThreads) {
-          uint4 v;
-          do asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(buf + e) : "memory");
-          while (v.y != tag || v.w != tag);
-          reinterpret_cast<uint2*>(smem)[e] = make_uint2(v.x, v.z);
-        }
-        __syncthreads();
+    } else if (mode == kTagged) {
+      // Block q's share: tagged lines [q * per, (q + 1) * per) of the step's buffer.
+      const int lines = 2 * n16, per = lines / nb;
+      const unsigned tag = s + 1;  // the buffers start zeroed: no word carries a tag before it is stored
+      uint4* buf = reinterpret_cast<uint4*>(dst) + static_cast<int64_t>(s & 1) * lines;
+      for (int e = tid; e < per; e += kThreads)
+        asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(buf + blockIdx.x * per + e),
+                     "r"(__float_as_uint(static_cast<float>(s))), "r"(tag), "r"(static_cast<unsigned>(e)) : "memory");
+      for (int e = tid; e < lines; e += kThreads) {
+        uint4 v;
+        do asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(buf + e) : "memory");
+        while (v.y != tag || v.w != tag);
+        reinterpret_cast<uint2*>(smem)[e] = make_uint2(v.x, v.z);
       }
+      __syncthreads();
     } else if (mode == kGather) {
       // Sample b's 8 units of this block from every block q: 32 bytes at region q, row b.
       const int samples = bytes / (32 * nb);
