@@ -27,6 +27,10 @@
 #   bash benchmarks/run_on_gpu.sh exchange # the grid forward's exchange of h on its own, with its barrier and without
 #                                          # (benchmarks/probe/l2_exchange.cu publish / tagged: 64 and 128 blocks,
 #                                          # 2 / 16 / 32 KiB: LSTM 1024's h in fp16 at 1 / 8 / 16 samples); not part of all
+#   bash benchmarks/run_on_gpu.sh trial    # PROBE_PATCH's A/B in one call: step timings (TRIAL_CASES) of this tree's
+#                                          # kernels and the patched ones, then the patch applied to this tree, the
+#                                          # extension built from it, its rnn GPU tests (TRIAL_TESTS) and, when
+#                                          # they pass, vlseq-bench --suite rnn $RNN_ARGS on it; not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -48,15 +52,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # One sha1 of every file under the paths given (relative to the current directory).
 sources_sum() { find "$@" -type f | sort | xargs sha1sum | sha1sum | cut -d' ' -f1; }
 stamp=build/vlseq-sources.sha1
-sources=$(sources_sum csrc setup.py)
-if [ "$part" != exchange ]; then  # (`exchange` runs a standalone probe: no extension needed)
+build_extension() {
+  local sources
+  sources=$(sources_sum csrc setup.py)
   if ! $PY -c "import vlseq_ext._C" 2>/dev/null || [ "$(cat "$stamp" 2>/dev/null)" != "$sources" ]; then
     MAX_JOBS=${MAX_JOBS:-32} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
       $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     mkdir -p build && echo "$sources" > "$stamp"
   fi
   echo "extension built from sources $sources" >> "$OUT/gpus.txt"
-fi
+}
+# (`exchange` runs a standalone probe: no extension needed; `trial` builds it once its patch is applied)
+[ "$part" = exchange ] || [ "$part" = trial ] || build_extension
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if runs tests || runs tsc || runs tsc-cpu; then
@@ -127,13 +134,16 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
 # benchmarks/probe with the patch applied, and `probe` / `windows` run their step timings on both, the patched
 # kernels' after this tree's: the A/B of a kernel change in one call, without rebuilding the extension.
 bin_b=/tmp/vlseq_step_timing_patched
+# A copy of this tree's csrc and benchmarks/probe in $1, with the diff $2 applied when given.
+copy_probe_tree() {
+  local tree=$1 diff
+  rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r csrc "$tree/" && cp -r benchmarks/probe "$tree/benchmarks/" || return 1
+  [ -z "${2:-}" ] || { diff=$(realpath "$2") && (cd "$tree" && git apply "$diff"); } ||
+    { echo "PROBE_PATCH $2 does not apply"; rc=1; return 1; }
+}
 build_probe_patched() {
   [ -n "${PROBE_PATCH:-}" ] || return 1
-  local tree=/tmp/vlseq-probe-patched diff
-  diff=$(realpath "$PROBE_PATCH") && rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r csrc "$tree/" &&
-    cp -r benchmarks/probe "$tree/benchmarks/" && (cd "$tree" && git apply "$diff") ||
-    { echo "PROBE_PATCH $PROBE_PATCH does not apply"; rc=1; return 1; }
-  build_probe "$bin_b" "$tree"
+  copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" && build_probe "$bin_b" /tmp/vlseq-probe-patched
 }
 # Both probes at once (nvcc compiles the probe on one core for ~2 minutes); fails unless each was built.
 build_probes() {
@@ -185,6 +195,29 @@ if [ "$part" = windows ]; then
   cat "$OUT/probes.log"
   printf '%s\n' "1024 1 64 lstm fp32 1" "1024 16 64 lstm fp32 2" | step_timings 60 > "$OUT/outside-steps.log" 2>&1 || rc=1
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
+fi
+if [ "$part" = trial ]; then
+  [ -n "${PROBE_PATCH:-}" ] || { echo "trial: set PROBE_PATCH"; exit 2; }
+  # Copies of the kernels as they are (A) and patched (B) before this tree is patched; their probes build on
+  # single cores while the extension does.
+  copy_probe_tree /tmp/vlseq-probe-main && copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" || exit 1
+  { build_probe "$bin" /tmp/vlseq-probe-main & build_probe "$bin_b" /tmp/vlseq-probe-patched & wait; } > "$OUT/probes.log" 2>&1 &
+  probes=$!
+  git apply "$PROBE_PATCH" || { echo "PROBE_PATCH $PROBE_PATCH does not apply"; exit 1; }
+  build_extension
+  wait $probes || rc=1
+  cat "$OUT/probes.log"
+  echo "${TRIAL_CASES:-1024 1 64 lstm fp32 1;1024 16 64 lstm fp32 2}" | tr ';' '\n' | step_timings 60 > "$OUT/trial-steps.log" 2>&1 || rc=1
+  grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/trial-steps.log"
+  # The patched kernels' GPU tests, then the bench (RNN_ARGS: e.g. --only rnn.lstm1024x2) on them.
+  xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-16}")
+  timeout ${RNN_TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider $xdist ${TRIAL_TESTS:-tests/test_rnn_gpu.py tests/test_rnn_pipeline.py} \
+    > "$OUT/trial-tests.log" 2>&1 || rc=1
+  tail -15 "$OUT/trial-tests.log"
+  if [ $rc = 0 ]; then
+    timeout ${RNN_BENCH_TIMEOUT:-300} $PY -m vlseq_ext.bench --suite rnn ${RNN_ARGS:-} --out "$OUT/rnn" > "$OUT/rnn-bench.log" 2>&1 || rc=1
+    tail -40 "$OUT/rnn-bench.log"
+  fi
 fi
 if [ "$part" = exchange ]; then
   if build_l2_exchange exchange.log; then
