@@ -27,10 +27,10 @@
 #   bash benchmarks/run_on_gpu.sh exchange # the grid forward's exchange of h on its own, with its barrier and without
 #                                          # (benchmarks/probe/l2_exchange.cu publish / tagged: 64 and 128 blocks,
 #                                          # 2 / 16 / 32 KiB: LSTM 1024's h in fp16 at 1 / 8 / 16 samples); not part of all
-#   bash benchmarks/run_on_gpu.sh trial    # PROBE_PATCH's A/B in one call: step timings (TRIAL_CASES) of this tree's
-#                                          # kernels and the patched ones, then the patch applied to this tree, the
-#                                          # extension built from it, its rnn GPU tests (TRIAL_TESTS) and, when
-#                                          # they pass, vlseq-bench --suite rnn $RNN_ARGS on it; not part of all
+#   bash benchmarks/run_on_gpu.sh trial    # a kernel change in one call: step timings (TRIAL_CASES) of this tree's
+#                                          # kernels (and PROBE_PATCH's), the extension built (with the patch
+#                                          # applied to this tree), its rnn GPU tests (TRIAL_TESTS) and, when they
+#                                          # pass, vlseq-bench --suite rnn $RNN_ARGS on it; not part of all
 #   bash benchmarks/run_on_gpu.sh ncu      # Nsight Compute's stall samples by step phase (benchmarks/probe/ncu_regions.py)
 #                                          # of the kernels matching NCU_KERNELS (regex, default fused) in one
 #                                          # step_timing run (NCU_CASE, default "64 1 1 lstm fp32 32"); not part of all
@@ -197,13 +197,14 @@ if [ "$part" = windows ]; then
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
 if [ "$part" = trial ]; then
-  [ -n "${PROBE_PATCH:-}" ] || { echo "trial: set PROBE_PATCH"; exit 2; }
   # Copies of the kernels as they are (A) and patched (B) before this tree is patched; their probes build on
-  # single cores while the extension does.
-  copy_probe_tree /tmp/vlseq-probe-main && copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" || exit 1
-  { build_probe "$bin" /tmp/vlseq-probe-main & build_probe "$bin_b" /tmp/vlseq-probe-patched & wait; } > "$OUT/probes.log" 2>&1 &
+  # single cores while the extension does. (No PROBE_PATCH: this tree's kernels alone.)
+  copy_probe_tree /tmp/vlseq-probe-main || exit 1
+  [ -z "${PROBE_PATCH:-}" ] || copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" || exit 1
+  { build_probe "$bin" /tmp/vlseq-probe-main & [ -z "${PROBE_PATCH:-}" ] || build_probe "$bin_b" /tmp/vlseq-probe-patched & wait
+  } > "$OUT/probes.log" 2>&1 &
   probes=$!
-  git apply "$PROBE_PATCH" || { echo "PROBE_PATCH $PROBE_PATCH does not apply"; exit 1; }
+  [ -z "${PROBE_PATCH:-}" ] || git apply "$PROBE_PATCH" || { echo "PROBE_PATCH $PROBE_PATCH does not apply"; exit 1; }
   build_extension
   wait $probes || rc=1
   cat "$OUT/probes.log"

@@ -32,6 +32,7 @@ TF32_OP_TOL = 2e-3
 HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forward)"
 HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward)"
 HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
+TAGGED = "h passed in tagged lines, no barrier a step (forward)"
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
@@ -431,17 +432,20 @@ def _grid_share_case(H, tf32, half, batch):
     plan = ops.rnn_plan("lstm", H, batch, "tf32" if tf32 else "fp32", DEV, half)
     assert plan.startswith("grid") and concurrency._blocks(plan) <= half, plan
     assert both_in_16_bits(plan) == tf32, plan
+    return plan
 
 
 @pytest.mark.parametrize("H,tf32,tol,apart_tol", GRID_SHARES)
-@pytest.mark.parametrize("lengths", [(100,), (100, 1, 57, 96, 100, 33, 7, 48)])
+@pytest.mark.parametrize("lengths", [(100,), (100, 37), (100, 1, 57, 96, 100, 33, 7, 48)])
 def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, apart_tol):
     """LSTM x 2 whose layer takes the grid layout on the whole GPU: each layer's launches within half the
     SMs (one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
     lengths ending inside windows and at 1): against float64, against the same kernels layer by layer, and
-    the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels) and fp32 (LSTM 512)."""
+    the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels: at 1 and 2 samples their
+    forward passes h in tagged lines, at 8 through rows and a barrier) and fp32 (LSTM 512)."""
     half = _half_the_sms()
-    _grid_share_case(H, tf32, half, len(lengths))
+    plan = _grid_share_case(H, tf32, half, len(lengths))
+    assert (TAGGED in plan) == (tf32 and len(lengths) <= 2), plan
     mod, x, lens, hx = compare(rand, nn.LSTM, 36, H, layers=2, lengths=lengths, rtol=tol)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}

@@ -59,13 +59,14 @@ float* upload(size_t n, float scale) {
   return d;
 }
 
-// Each case launches twice, its barrier counters (`arrivals`, `counters` of them) zeroed before each: the
-// first loads the kernel's code (lazy loading) and warms L2, the second is the one timed and reported.
+// Each case launches twice, its barrier counters (`arrivals`, `counters` of them) and `zero_bytes` at `zero`
+// (an exchange that must start zeroed, as the host zeroes it) zeroed before each: the first loads the kernel's
+// code (lazy loading) and warms L2, the second is the one timed and reported.
 // VLSEQ_PROBE_LAUNCHES=1 launches once (under Nsight Compute, whose kernel filters count launches).
 float g_launch_ms = 0.0f;
 template <typename A>
 void launch(const void* kernel, const A& args, int blocks, int nc, int smem, bool grid = false,
-            unsigned* arrivals = nullptr, int counters = 0) {
+            unsigned* arrivals = nullptr, int counters = 0, void* zero = nullptr, size_t zero_bytes = 0) {
   ProbeLaunch l(kernel, blocks, kThreads, smem, grid, grid ? 1 : nc);
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
@@ -75,6 +76,7 @@ void launch(const void* kernel, const A& args, int blocks, int nc, int smem, boo
   static const int launches = getenv("VLSEQ_PROBE_LAUNCHES") ? std::max(1, atoi(getenv("VLSEQ_PROBE_LAUNCHES"))) : 2;
   for (int rep = 0; rep < launches && e == cudaSuccess; ++rep) {
     if (arrivals) cudaMemset(arrivals, 0, counters * sizeof(unsigned));
+    if (zero) cudaMemset(zero, 0, zero_bytes);
     cudaMemcpyToSymbol(g_step_clock, zeros, sizeof(zeros));
     cudaMemcpyToSymbol(g_step_ns, zeros, sizeof(g_step_ns));
     cudaEventRecord(a);
@@ -206,12 +208,22 @@ int main(int argc, char** argv) {
       report(0, 7, T, gft);
     }
     const GridHalfFwdShape hsh(G, H, hs);
-    if (regs_pairs && hsh.ks > 0) {
-      printf(" W_hh and h in 16 bits, fp16 MMAs (%d m-tiles x %d k16-steps per warp):\n", hsh.mt, hsh.ks);
-      cudaMemset(fx, 0, (size_t)2 * groups * B * Kp * 4);  // its rows are round_up(H, 8) halves, the padding zero
-      static const char* gfh[] = {"stage", "mma", "sync", "cell", "arrive", "stores+prefetch", "wait"};
-      launch(grid_forward_half_kernel(cell, hsh.mt, hsh.ks), fa, blocks, nc, GridHalfFwdSmem(g, hsh).total, true, arrivals, groups);
-      report(0, 7, T, gfh);
+    for (int tagged = 0; regs_pairs && hsh.ks > 0 && tagged < 2; ++tagged) {
+      // Both exchanges, whichever the planner would take (half_forward_tagged), each zeroed before each
+      // launch as the host zeroes it (a tagged line left from the last launch would carry tags it waits for).
+      printf(" W_hh and h in 16 bits, fp16 MMAs (%d m-tiles x %d k16-steps per warp), %s%s:\n", hsh.mt, hsh.ks,
+             tagged ? "h in tagged lines" : "h in rows and a barrier", half_forward_tagged(B) == tagged ? " (planned)" : "");
+      const size_t hbytes = grid_half_exchange(g, groups, tagged) * 4;
+      float* hfx;
+      cudaMalloc(&hfx, hbytes);
+      ForwardArgs ha = fa;
+      ha.xchg = hfx;
+      static const char* rows[] = {"stage", "mma", "sync", "cell", "arrive", "stores+prefetch", "wait"};
+      static const char* lines[] = {"poll", "mma", "sync", "cell", "lines", "stores+prefetch", "rest"};
+      launch(grid_forward_half_kernel(cell, hsh.mt, hsh.ks, tagged), ha, blocks, nc, GridHalfFwdSmem(g, hsh, tagged).total,
+             true, arrivals, groups, hfx, hbytes);
+      report(0, 7, T, tagged ? lines : rows);
+      cudaFree(hfx);
     }
     float *dy = upload((size_t)Bt * T * H, 1), *dgates = upload((size_t)Bt * T * G * H, 0);
     float *dh0 = upload(Bt * H, 0), *dc0 = upload(Bt * H, 0), *dghn = upload((size_t)Bt * T * H, 0);

@@ -159,11 +159,12 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // measured: 1,267-1,405 a tile against 900-1,011, each MMA twice the products) or its staging of the
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
-// whole GPU instead), and ~2,500 for the cell and barrier.
+// whole GPU instead), and ~2,500 for the cell and barrier; ~850 with the tagged exchange, which has no
+// barrier (LSTM 1024, one sample: 3,364 clocks a step against 5,019; BENCHMARKS.md, thirty-third session).
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
-  return std::max(mmas, intake) + 2500.0;
+  return std::max(mmas, intake) + (half_forward_tagged(bs) ? 850.0 : 2500.0);
 }
 // The backward with W_hh and the gate gradients in 16 bits: as the forward's, its MMAs (sb * G a warp and
 // tile of samples) or its staging of the group's gate gradients (G * 16 * nc halves a sample).
@@ -309,9 +310,9 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
     const int bs = ceil_div(B, std::min(sms / nc, B / min_samples)), groups = ceil_div(B, bs);
     if (bs * hs > kThreads * kGridRegItems) continue;
     const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
-    const int64_t smem = GridHalfFwdSmem(g, sh).total;
+    const int64_t smem = GridHalfFwdSmem(g, sh, half_forward_tagged(bs)).total;
     if (smem > optin) continue;
-    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks);
+    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks, half_forward_tagged(bs));
     prepare(kernel, device, p.sharedMemPerBlockOptin);
     if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) continue;
     const double c = half_forward_clocks(sh, H, bs);
@@ -435,7 +436,7 @@ const void* tf32_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
 }
 const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   const GridHalfFwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
-  return grid_forward_half_kernel(z.cell, sh.mt, sh.ks);
+  return grid_forward_half_kernel(z.cell, sh.mt, sh.ks, half_forward_tagged(plan.bs));
 }
 const void* half_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
   return grid_backward_half_kernel(z.cell, GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb);
@@ -504,6 +505,7 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
   if (fhalf || bhalf)
     s += std::string(fhalf && bhalf ? ", W_hh, h and the gate gradients" : fhalf ? ", W_hh and h" : ", W_hh and the gate gradients") +
          " in 16 bits, fp16 products on the tensor cores" + which(fhalf, bhalf);
+  if (fhalf && half_forward_tagged(f->bs)) s += ", h passed in tagged lines, no barrier a step (forward)";
   if (ftf32) s += ", TF32 products on the tensor cores (forward)";
   return s;
 }
@@ -622,10 +624,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   at::Tensor xchg, arrivals;
   if (grid) {
     // Rows of round_up(H, 4) floats (16-bit forward: round_up(H, 8) halves) for 16-byte copies; the padding
-    // stays zero (nobody writes it).
-    xchg = at::zeros({plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups)
-                                : 2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4)},
-                     opts);
+    // stays zero (nobody writes it). Tagged lines start zero too: no tag a step waits for.
+    const int64_t n = plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups, half_forward_tagged(plan.bs))
+                                : 2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4);
+    xchg = at::zeros({n}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
   }
   const at::Tensor order = samples_by_length(lengths, !grid && plan.fused);

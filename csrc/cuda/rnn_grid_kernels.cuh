@@ -197,6 +197,87 @@ __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
   return m;
 }
 
+// The 16-bit grid forward's exchange of h with no barrier a step ("tagged"). Block q's h of sample b goes out
+// as lines of 16 bytes, each of two 8-byte words (two fp16 h and a tag: the step that reads them, plus 1), one
+// thread storing a line; a reader polls each line it needs until both its words carry the tag it waits for.
+// An aligned 8-byte access is single-copy atomic, so a word's h and its tag arrive together (NCCL's LL
+// protocol rests on the same): one trip through L2 a step where the barrier's fence, arrival, poll and then
+// the loads of h took three. Two buffers by step parity: a block stores the h read at step s + 1 into buffer
+// (s + 1) & 1 only once it has read all of step s's lines of a sample still running, and each block stored
+// those after it had read step s - 1's from that same buffer: no reader is still on it. The host zeroes the
+// buffers before each launch, so no line carries a tag the launch waits for before it is stored.
+// Layout: lines [2][groups][bs][nc][lq], lq = ceil(hs / 4): block q's units q * hs + 4l .. + 3 (zero past hv).
+struct TaggedLines {
+  uint4* base;
+  int64_t stride;  // lines a buffer
+  int lq, per;     // lines a block and a sample, lines a sample (nc * lq)
+  __device__ __forceinline__ TaggedLines(float* xchg, const Geometry& g, const Block& blk)
+      : lq(ceil_div(g.hs, 4)), per(g.nc * ceil_div(g.hs, 4)) {
+    base = reinterpret_cast<uint4*>(xchg) + static_cast<int64_t>(blk.group) * g.bs * per;
+    stride = static_cast<int64_t>(blk.groups) * g.bs * per;
+  }
+  // Sample 0's first line of buffer `parity` (the samples' lines follow one another).
+  __device__ __forceinline__ uint4* lines(int parity) const { return base + parity * stride; }
+};
+__device__ __forceinline__ void store_tagged(uint4* p, unsigned w0, unsigned w1, unsigned tag) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(p), "r"(w0), "r"(tag), "r"(w1) : "memory");
+}
+__device__ __forceinline__ uint4 load_tagged(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+// This block's lines of the h in hx_s ([b][round_up(hs, 4)] fp16) of the samples running at `run` (all: -1),
+// tagged for step `tag - 1`, into buffer `parity`.
+__device__ __forceinline__ void store_h_lines(const TaggedLines& x, int parity, unsigned tag, const __half* hx_s,
+                                              const int* lens, int bv, int rank, int run) {
+  const int hsp = 4 * x.lq;
+  uint4* out = x.lines(parity) + rank * x.lq;
+  for (int e = threadIdx.x; e < bv * x.lq; e += kThreads) {
+    const int b = e / x.lq, l = e - b * x.lq;
+    if (run >= lens[b]) continue;
+    const uint2 w = *reinterpret_cast<const uint2*>(hx_s + b * hsp + 4 * l);
+    store_tagged(out + static_cast<int64_t>(b) * x.per + l, w.x, w.y, tag);
+  }
+}
+// h_{s-1} of the samples running at s, polled from buffer s & 1 into h_s (rows ldh apart, natural column
+// order), then a __syncthreads. Each thread has up to 4 lines' loads in flight before it waits on any.
+__device__ __forceinline__ void poll_h_lines(const TaggedLines& x, int s, int hs, __half* h_s, int ldh, const int* lens,
+                                             int bv) {
+  constexpr int kInFlight = 4;
+  const unsigned tag = s + 1;
+  const uint4* in = x.lines(s & 1);
+  const int total = bv * x.per;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kInFlight * kThreads) {
+    uint4 v[kInFlight];
+    int b[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = e0 + u * kThreads;
+      b[u] = e < total ? e / x.per : -1;
+      if (b[u] >= 0 && s >= lens[b[u]]) b[u] = -1;
+      if (b[u] >= 0) v[u] = load_tagged(in + e);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (b[u] < 0) continue;
+      const int e = e0 + u * kThreads, r = e - b[u] * x.per;
+      while (v[u].y != tag || v[u].w != tag) v[u] = load_tagged(in + e);
+      __half* row = h_s + b[u] * ldh;
+      if ((hs & 3) == 0) {
+        *reinterpret_cast<uint2*>(row + 4 * r) = make_uint2(v[u].x, v[u].z);  // lq = hs / 4: column 4r
+      } else {
+        const int q = r / x.lq, l = r - q * x.lq, c = q * hs + 4 * l;
+        const __half2 p0 = *reinterpret_cast<const __half2*>(&v[u].x), p1 = *reinterpret_cast<const __half2*>(&v[u].z);
+        const __half hv[4] = {__low2half(p0), __high2half(p0), __low2half(p1), __high2half(p1)};
+        for (int i = 0; i < 4 && 4 * l + i < hs; ++i) row[c + i] = hv[i];
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // The step loop both grid forwards share: block set-up done (weights, lengths, the first barrier), it
 // runs the cells of this thread's (sample, unit) pairs and the exchange around them. Per step s:
 // products(s, in) computes the recurrent products of the samples running at s from h_{t-1} at `in`
@@ -204,26 +285,34 @@ __device__ __forceinline__ int longest(const int* lens, int b, int n, int bs) {
 // of unit j of sample b; the cell's h goes to the exchange at once; then the barrier, with the
 // step's output stores and the next step's input loads between its arrive and its wait. TF32: the
 // exchange carries h rounded to TF32 (only the products read it; the state stays fp32); X = __half: it
-// carries h in fp16 (rnn_forward_grid_half_kernel), rows of round_up(H, 8).
-template <Cell C, int I, bool TF32 = false, typename X = float, typename Products, typename GhOf>
+// carries h in fp16 (rnn_forward_grid_half_kernel), rows of round_up(H, 8). Tagged (X = __half only): h goes
+// through the tagged exchange (TaggedLines) with no barrier a step: the cells' h meet in hx_s
+// ([b][round_up(hs, 4)], zeroed by the kernel) and go out as tagged lines, and products(s, lines) polls them.
+template <Cell C, int I, bool TF32 = false, typename X = float, bool Tagged = false, typename Products, typename GhOf>
 __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const Block& blk, const int* lens,
-                                                   GroupBarrier& bar, Products&& products, GhOf&& gh_of) {
+                                                   GroupBarrier& bar, Products&& products, GhOf&& gh_of,
+                                                   __half* hx_s = nullptr) {
   constexpr int G = C == Cell::kLSTM ? 4 : 3;
   constexpr bool kHalf = std::is_same_v<X, __half>;
+  static_assert(kHalf || !Tagged, "the tagged exchange carries fp16 h");
   const Geometry& g = a.g;
   const int H = g.H, Kp = round_up(H, 16 / static_cast<int>(sizeof(X))), j0 = blk.j0;
   // Exchange: h of every sample of the group, rows of Kp 16-byte chunks (the host zeroes the padding).
   auto xchg = [&](int parity) {
     return reinterpret_cast<X*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * Kp;
   };
+  const TaggedLines tagged(a.xchg, g, blk);
   auto publish = [&](int parity, int b, int j, float v) {
     X* at = xchg(parity) + static_cast<int64_t>(b) * Kp + j0 + j;
-    if constexpr (kHalf)
+    if constexpr (Tagged)
+      hx_s[b * 4 * tagged.lq + j] = __float2half_rn(v);
+    else if constexpr (kHalf)
       __stcg(reinterpret_cast<unsigned short*>(at), __half_as_ushort(__float2half_rn(v)));
     else
       __stcg(at, TF32 ? round_tf32(v) : v);
   };
   const Items<I> it(blk.bv, blk.hv);
+  if constexpr (Tagged) __syncthreads();  // hx_s zeroed
   float h[I], c[I], bias[I][G];
 #pragma unroll
   for (int i = 0; i < I; ++i) {
@@ -236,6 +325,10 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
     for (int q = 0; q < G; ++q) bias[i][q] = a.b_hh ? a.b_hh[q * H + j0 + it.j[i]] : 0.0f;
     publish(0, it.b[i], it.j[i], h[i]);
   }
+  if constexpr (Tagged) {
+    __syncthreads();
+    store_h_lines(tagged, 0, 1u, hx_s, lens, blk.bv, blk.rank, -1);
+  }
   const int smax = finish_setup(bar, lens, g.bs);
   float xnext[I][G];
   load_step_inputs(a, blk, it, lens, 0, xnext);
@@ -244,7 +337,10 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
     float x[I][G];
     copy_items(x, xnext);
     VLSEQ_MARK(0, 0, s);
-    products(s, xchg(cur));
+    if constexpr (Tagged)
+      products(s, tagged);
+    else
+      products(s, xchg(cur));
     VLSEQ_MARK(0, 3, s);
     // The cell of this thread's (sample, unit) pairs still running; h to the exchange at once.
     float out[I][4];
@@ -261,12 +357,17 @@ __device__ __forceinline__ void grid_forward_steps(const ForwardArgs& a, const B
       publish(cur ^ 1, b, j, h[i]);
     }
     VLSEQ_MARK(0, 4, s);
-    bar.arrive();
+    if constexpr (Tagged) {
+      __syncthreads();
+      store_h_lines(tagged, cur ^ 1, s + 2, hx_s, lens, blk.bv, blk.rank, s);
+    } else {
+      bar.arrive();
+    }
     VLSEQ_MARK(0, 5, s);
     store_step_outputs<C>(a, blk, it, lens, s, live, h, c, out);
     load_step_inputs(a, blk, it, lens, s + 1, xnext);
     VLSEQ_MARK(0, 6, s);
-    bar.wait();
+    if constexpr (!Tagged) bar.wait();
   }
 #pragma unroll
   for (int i = 0; i < I; ++i) {

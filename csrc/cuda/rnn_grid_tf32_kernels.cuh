@@ -82,10 +82,10 @@ struct GridHalfFwdShape {
 };
 // Its shared memory: h_{t-1} in fp16 ([b][ldh], ldh = kq + 32 halves: the two samples of a quarter warp's
 // 16-byte loads then fall on distinct banks), the warps' sums ([warp][b][ldp], as the TF32 forward's),
-// the rows' scales, the lengths.
+// the rows' scales, the lengths; tagged: the block's new h in fp16 ([b][round_up(hs, 4)], for its lines).
 struct GridHalfFwdSmem {
-  int ldh, ldp, h, part, scale, lens, total;
-  __host__ __device__ GridHalfFwdSmem(const Geometry& g, const GridHalfFwdShape& sh) {
+  int ldh, ldp, h, part, scale, lens, hx, total;
+  __host__ __device__ GridHalfFwdSmem(const Geometry& g, const GridHalfFwdShape& sh, bool tagged) {
     const int bsp = round_up(g.bs, 8);
     ldh = sh.kq + 32, ldp = 16 * sh.mt + 4;
     int off = 0;
@@ -93,12 +93,22 @@ struct GridHalfFwdSmem {
     part = off, off += round_up(kWarps * bsp * ldp * 4, 16);
     scale = off, off += 16 * sh.mt * 4;
     lens = off, off += round_up(g.bs * 4, 16);
+    hx = off, off += tagged ? round_up(g.bs * round_up(g.hs, 4) * 2, 16) : 0;
     total = off;
   }
 };
-// Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves.
-inline int64_t grid_half_exchange(const Geometry& g, int groups) {
-  return static_cast<int64_t>(groups) * g.bs * round_up(g.H, 8);
+// Its exchange of h without a barrier a step (TaggedLines, rnn_grid_kernels.cuh), for groups of at most
+// kHalfFwdTaggedMaxSamples samples: per step, one trip through L2 where the barrier takes three, but each
+// line carries 8 bytes of h in 16 and its readers poll it; at 8 samples a group (16 KiB of h) its polls cost
+// more than the barrier saves (LSTM 1024 x 16 samples: 20,357 clocks a step against 7,313; at one sample
+// 3,364 against 5,019: BENCHMARKS.md, thirty-third session).
+constexpr int kHalfFwdTaggedMaxSamples = 2;
+inline bool half_forward_tagged(int bs) { return bs <= kHalfFwdTaggedMaxSamples; }
+// Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves; tagged, the lines
+// [2][groups][bs][nc][ceil(hs / 4)] of 4 floats' bytes each (4 fp16 h and two tags).
+inline int64_t grid_half_exchange(const Geometry& g, int groups, bool tagged) {
+  return tagged ? 2 * static_cast<int64_t>(groups) * g.bs * g.nc * round_up(g.hs, 4)
+                : static_cast<int64_t>(groups) * g.bs * round_up(g.H, 8);
 }
 
 // The backward with W_hh and the gate gradients in 16 bits (rnn_backward_grid_half_kernel), for weights
@@ -161,7 +171,7 @@ inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups)
 
 // The kernels for a cell and shape, each in a translation unit of its own.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);   // rnn_grid_forward_tf32.cu
-const void* grid_forward_half_kernel(Cell c, int mt, int ks);  // rnn_grid_forward_half.cu
+const void* grid_forward_half_kernel(Cell c, int mt, int ks, bool tagged);  // rnn_grid_forward_half.cu
 const void* grid_backward_half_kernel(Cell c, int sb);          // rnn_grid_backward_half.cu
 
 #if defined(__CUDACC__)
@@ -322,7 +332,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
 // k16-steps (32 columns from c0): lane (g, t) holds slots 2t, 2t + 1, 2t + 8, 2t + 9 of k16-step 2p as
 // columns c0 + 8t .. c0 + 8t + 3 and those of k16-step 2p + 1 as c0 + 8t + 4 .. + 7, so one 16-byte load
 // of its sample's h gives it the B operands of both.
-template <Cell C, int MT, int KS>
+// TAGGED: h through the tagged exchange (half_forward_tagged), else rows and a barrier a step.
+template <Cell C, int MT, int KS, bool TAGGED>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kWarps == 8 && KS % 2 == 0, "a warp stages one sample of each tile of 8; k16-steps in pairs");
@@ -334,12 +345,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
   const int bsp = round_up(g.bs, 8), tiles = ceil_div(bv, 8);
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const GridHalfFwdSmem lay(g, GridHalfFwdShape(G, H, hs));
+  const GridHalfFwdSmem lay(g, GridHalfFwdShape(G, H, hs), TAGGED);
   const int ldh = lay.ldh, ldp = lay.ldp;
   __half* h_s = reinterpret_cast<__half*>(smem + lay.h);
   float* part_s = reinterpret_cast<float*>(smem + lay.part);
   float* scale_s = reinterpret_cast<float*>(smem + lay.scale);
   int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  __half* hx_s = reinterpret_cast<__half*>(smem + lay.hx);
 
   // Row r's scale: fp16_scale of its largest |w| (of 0 for a padding row, whose weights stay 0).
   for (int r = warp; r < ROWS; r += kWarps) {
@@ -373,13 +385,19 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     }
   load_lengths(lens, a.lengths, g, blk);
   for (int e = tid; e < bsp * ldh; e += kThreads) h_s[e] = __float2half_rn(0.0f);  // padding stays 0
+  if constexpr (TAGGED)
+    for (int e = tid; e < g.bs * round_up(hs, 4); e += kThreads) hx_s[e] = __float2half_rn(0.0f);  // units past hv: 0
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
 
-  auto products = [&](int s, const __half* in) {
-    stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
+  // in: the tagged lines (TAGGED) or the exchange's rows of h_{t-1}.
+  auto products = [&](int s, const auto& in) {
+    if constexpr (TAGGED)
+      poll_h_lines(in, s, hs, h_s, ldh, lens, bv);
+    else
+      stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      wait_staged(n, tiles);
+      if constexpr (!TAGGED) wait_staged(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
 #pragma unroll
@@ -406,12 +424,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     VLSEQ_MARK(0, 2, s);
     __syncthreads();
   };
-  grid_forward_steps<C, kGridRegItems, false, __half>(a, blk, lens, bar, products, [&](int b, int k, int j) {
+  grid_forward_steps<C, kGridRegItems, false, __half, TAGGED>(a, blk, lens, bar, products, [&](int b, int k, int j) {
     float v = 0.0f;
 #pragma unroll
     for (int q = 0; q < kWarps; ++q) v += part_s[(q * bsp + b) * ldp + k * hs + j];
     return v * scale_s[k * hs + j];
-  });
+  }, TAGGED ? hx_s : nullptr);
 #endif
 }
 
@@ -628,16 +646,20 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   if (k == 12) return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 12>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 2, 16>);
 // The 16-bit forward's for a cell and (m-tiles, k16-steps): 3 or 4; 6 or 8.
-#define VLSEQ_RNN_GRID_HALF_FWD_TABLE(NAME, KERNEL)                                    \
-  const void* NAME(Cell c, int mt, int k) {                                            \
-    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kLSTM) }       \
-    VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kGRU)                                  \
+#define VLSEQ_RNN_GRID_HALF_FWD_TABLE(NAME, KERNEL)                                       \
+  const void* NAME(Cell c, int mt, int k, bool tagged) {                                  \
+    if (tagged) {                                                                         \
+      if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kLSTM, true) }  \
+      VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kGRU, true)                             \
+    }                                                                                     \
+    if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kLSTM, false) }   \
+    VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, Cell::kGRU, false)                              \
   }
-#define VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, CELL)                                  \
-  if (mt == 3 && k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 6>); \
-  if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8>);           \
-  if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6>);            \
-  return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8>);
+#define VLSEQ_RNN_GRID_HALF_FWD_CASES(KERNEL, CELL, T)                                      \
+  if (mt == 3 && k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 6, T>); \
+  if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8, T>);           \
+  if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6, T>);            \
+  return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8, T>);
 // The 16-bit backward's for a cell and source blocks a warp (4, 6 or 8).
 #define VLSEQ_RNN_GRID_HALF_BWD_TABLE(NAME, KERNEL)                     \
   const void* NAME(Cell c, int sb) {                                    \
