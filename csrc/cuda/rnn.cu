@@ -159,12 +159,13 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // measured: 1,267-1,405 a tile against 900-1,011, each MMA twice the products) or its staging of the
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
-// whole GPU instead), and ~2,500 for the cell and barrier; ~850 with the tagged exchange, which has no
-// barrier (LSTM 1024, one sample: 3,364 clocks a step against 5,019; BENCHMARKS.md, thirty-third session).
+// whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500 and
+// ~320 a sample for its polls: LSTM 1024 on 64 blocks measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4
+// samples against 5,089-5,154 with the barrier (BENCHMARKS.md, thirty-third session).
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
-  return std::max(mmas, intake) + (half_forward_tagged(bs) ? 850.0 : 2500.0);
+  return std::max(mmas, intake) + (half_forward_tagged(bs) ? 500.0 + 320.0 * bs : 2500.0);
 }
 // The backward with W_hh and the gate gradients in 16 bits: as the forward's, its MMAs (sb * G a warp and
 // tile of samples) or its staging of the group's gate gradients (G * 16 * nc halves a sample).

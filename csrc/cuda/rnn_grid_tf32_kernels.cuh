@@ -99,9 +99,10 @@ struct GridHalfFwdSmem {
 };
 // Its exchange of h without a barrier a step (TaggedLines, rnn_grid_kernels.cuh), for groups of at most
 // kHalfFwdTaggedMaxSamples samples: per step, one trip through L2 where the barrier takes three, but each
-// line carries 8 bytes of h in 16 and its readers poll it; at 8 samples a group (16 KiB of h) its polls cost
-// more than the barrier saves (LSTM 1024 x 16 samples: 20,357 clocks a step against 7,313; at one sample
-// 3,364 against 5,019: BENCHMARKS.md, thirty-third session).
+// line carries 8 bytes of h in 16 and every thread of every block polls its lines. LSTM 1024 on 64 blocks
+// (one H100): 3,352 / 3,674 / 4,413 / 13,485 clocks a step at 1 / 2 / 4 / 8 samples a group, against
+// 5,089-5,269 with the barrier (BENCHMARKS.md, thirty-third session). 4 is faster too, but only up to 2 has
+// run the GPU tests.
 constexpr int kHalfFwdTaggedMaxSamples = 2;
 inline bool half_forward_tagged(int bs) { return bs <= kHalfFwdTaggedMaxSamples; }
 // Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves; tagged, the lines
