@@ -161,7 +161,7 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
 // whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500 and
 // ~320 a sample for its polls: LSTM 1024 on 64 blocks measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4
-// samples against 5,089-5,154 with the barrier (BENCHMARKS.md, thirty-third session).
+// samples against 4,990-5,154 with the barrier (BENCHMARKS.md, thirty-third session).
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;

@@ -101,7 +101,7 @@ struct GridHalfFwdSmem {
 // kHalfFwdTaggedMaxSamples samples: per step, one trip through L2 where the barrier takes three, but each
 // line carries 8 bytes of h in 16 and every thread of every block polls its lines. LSTM 1024 on 64 blocks
 // (one H100): 3,352 / 3,674 / 4,413 / 13,485 clocks a step at 1 / 2 / 4 / 8 samples a group, against
-// 5,089-5,269 with the barrier (BENCHMARKS.md, thirty-third session). 4 is faster too, but only up to 2 has
+// 4,990-5,269 with the barrier (BENCHMARKS.md, thirty-third session). 4 is faster too, but only up to 2 has
 // run the GPU tests.
 constexpr int kHalfFwdTaggedMaxSamples = 2;
 inline bool half_forward_tagged(int bs) { return bs <= kHalfFwdTaggedMaxSamples; }
