@@ -35,7 +35,8 @@ def cmd(*argv):
 
 
 def subprocess_env(**extra):
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    # faulthandler: a native crash (SIGABRT, SIGSEGV) prints the Python stack into the stderr a test reports
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def one_line_error(rc, err, *expect, during_training=False):

@@ -101,8 +101,27 @@ def test_rng_state_round_trip(tmp_path):
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == before
 
 
-# vlseq-train in a process whose 2nd checkpoint write stops halfway through its temporary file and hangs
-# (checkpoint._write_bytes patched here: the shipped package has no test hook).
+def test_rng_state_of_a_cpu_process_leaves_cuda_uninitialized():
+    """A process that never used CUDA saves no CUDA generator and does not initialize CUDA to read them (on a
+    GPU machine that would create a context on every GPU, in the middle of a CPU run's first checkpoint)."""
+    code = ("import torch; from vlseq_ext import checkpoint; s = checkpoint.capture_rng_state(); "
+            "print(len(s['cuda']), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "False"], out.stderr
+
+
+@pytest.mark.requires_cuda
+def test_rng_state_round_trip_of_cuda_generators(tmp_path):
+    """Once CUDA is in use every device's generator is saved and restored with the others."""
+    torch.cuda.manual_seed_all(3)
+    torch.rand(1, device="cuda")
+    state = checkpoint.capture_rng_state()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    before = torch.rand(3, device="cuda").tolist()
+    state = checkpoint.load_checkpoint(checkpoint.save_checkpoint({"rng": state}, tmp_path / "rng.pt"))["rng"]
+    torch.cuda.manual_seed_all(9)
+    checkpoint.restore_rng_state(state)
+    assert torch.rand(3, device="cuda").tolist() == before
 
 
 # vlseq-train in a process whose 2nd checkpoint write stops halfway through its temporary file and hangs

@@ -65,8 +65,9 @@ class CheckpointWriteError(OSError):
 
 def capture_rng_state() -> Dict[str, Any]:
     """Every RNG the training loop may draw from: Python's `random`, NumPy's global generator,
-    torch's CPU generator and the generator of every CUDA device. Only tensors, ints, floats and
-    strings, so it survives torch.load(weights_only=True)."""
+    torch's CPU generator and, once this process has initialized CUDA, the generator of every CUDA device
+    (a process that has not used it drew from none, and reading them would initialize CUDA: a context on every
+    GPU of a CPU run). Only tensors, ints, floats and strings, so it survives torch.load(weights_only=True)."""
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: Dict[str, Any] = {
@@ -74,7 +75,7 @@ def capture_rng_state() -> Dict[str, Any]:
         "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
     }
     return state
 
