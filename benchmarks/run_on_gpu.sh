@@ -134,21 +134,23 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
 # benchmarks/probe with the patch applied, and `probe` / `windows` run their step timings on both, the patched
 # kernels' after this tree's: the A/B of a kernel change in one call, without rebuilding the extension.
 bin_b=/tmp/vlseq_step_timing_patched
-# A copy of this tree's csrc and benchmarks/probe in $1, with the diff $2 applied when given.
+# A copy of the csrc and benchmarks/probe of tree $3 (default this one) in $1, with the diff $2 applied when given.
 copy_probe_tree() {
-  local tree=$1 diff
-  rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r csrc "$tree/" && cp -r benchmarks/probe "$tree/benchmarks/" || return 1
+  local tree=$1 from=${3:-.} diff
+  rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r "$from/csrc" "$tree/" && cp -r "$from/benchmarks/probe" "$tree/benchmarks/" ||
+    return 1
   [ -z "${2:-}" ] || { diff=$(realpath "$2") && (cd "$tree" && git apply "$diff"); } ||
     { echo "PROBE_PATCH $2 does not apply"; rc=1; return 1; }
 }
-build_probe_patched() {
+build_probe_patched() {  # [source tree]: PROBE_PATCH applied to a copy of it (default this one)
   [ -n "${PROBE_PATCH:-}" ] || return 1
-  copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" && build_probe "$bin_b" /tmp/vlseq-probe-patched
+  copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" "${1:-.}" && build_probe "$bin_b" /tmp/vlseq-probe-patched
 }
-# Both probes at once (nvcc compiles the probe on one core for ~2 minutes); fails unless each was built.
+# Both probes at once (nvcc compiles the probe on one core for ~2 minutes) from a source tree (default this
+# one); fails unless each was built.
 build_probes() {
-  build_probe_patched > "$OUT/probe-patched.log" 2>&1 &
-  build_probe
+  build_probe_patched "${1:-.}" > "$OUT/probe-patched.log" 2>&1 &
+  build_probe "$bin" "${1:-.}"
   wait
   cat "$OUT/probe-patched.log"
   [ -x "$bin" ] && { [ -z "${PROBE_PATCH:-}" ] || [ -x "$bin_b" ]; }
@@ -197,12 +199,10 @@ if [ "$part" = windows ]; then
   grep -E "^==|^ [A-Za-z]|step:|outside" "$OUT/outside-steps.log"
 fi
 if [ "$part" = trial ]; then
-  # Copies of the kernels as they are (A) and patched (B) before this tree is patched; their probes build on
-  # single cores while the extension does. (No PROBE_PATCH: this tree's kernels alone.)
+  # The probes are built from a copy of the kernels as they are, made before this tree is patched (the
+  # patched probe from that copy too), on single cores while the extension builds.
   copy_probe_tree /tmp/vlseq-probe-main || exit 1
-  [ -z "${PROBE_PATCH:-}" ] || copy_probe_tree /tmp/vlseq-probe-patched "$PROBE_PATCH" || exit 1
-  { build_probe "$bin" /tmp/vlseq-probe-main & [ -z "${PROBE_PATCH:-}" ] || build_probe "$bin_b" /tmp/vlseq-probe-patched & wait
-  } > "$OUT/probes.log" 2>&1 &
+  build_probes /tmp/vlseq-probe-main > "$OUT/probes.log" 2>&1 &
   probes=$!
   [ -z "${PROBE_PATCH:-}" ] || git apply "$PROBE_PATCH" || { echo "PROBE_PATCH $PROBE_PATCH does not apply"; exit 1; }
   build_extension

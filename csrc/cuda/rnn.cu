@@ -311,9 +311,10 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
     const int bs = ceil_div(B, std::min(sms / nc, B / min_samples)), groups = ceil_div(B, bs);
     if (bs * hs > kThreads * kGridRegItems) continue;
     const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
-    const int64_t smem = GridHalfFwdSmem(g, sh, half_forward_tagged(bs)).total;
+    const bool tagged = half_forward_tagged(bs);
+    const int64_t smem = GridHalfFwdSmem(g, sh, tagged).total;
     if (smem > optin) continue;
-    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks, half_forward_tagged(bs));
+    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks, tagged);
     prepare(kernel, device, p.sharedMemPerBlockOptin);
     if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) continue;
     const double c = half_forward_clocks(sh, H, bs);
