@@ -436,16 +436,16 @@ def _grid_share_case(H, tf32, half, batch):
 
 
 @pytest.mark.parametrize("H,tf32,tol,apart_tol", GRID_SHARES)
-@pytest.mark.parametrize("lengths", [(100,), (100, 37), (100, 1, 57, 96, 100, 33, 7, 48)])
+@pytest.mark.parametrize("lengths", [(100,), (100, 37), (100, 1, 57, 96), (100, 1, 57, 96, 100, 33, 7, 48)])
 def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, apart_tol):
     """LSTM x 2 whose layer takes the grid layout on the whole GPU: each layer's launches within half the
     SMs (one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
     lengths ending inside windows and at 1): against float64, against the same kernels layer by layer, and
-    the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels: at 1 and 2 samples their
+    the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels: at 1-4 samples their
     forward passes h in tagged lines, at 8 through rows and a barrier) and fp32 (LSTM 512)."""
     half = _half_the_sms()
     plan = _grid_share_case(H, tf32, half, len(lengths))
-    assert (TAGGED in plan) == (tf32 and len(lengths) <= 2), plan
+    assert (TAGGED in plan) == (tf32 and len(lengths) <= 4), plan
     mod, x, lens, hx = compare(rand, nn.LSTM, 36, H, layers=2, lengths=lengths, rtol=tol)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}
@@ -453,6 +453,27 @@ def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, 
                                                            for _ in range(2)]
     piped = against_one_launch_at_a_time(mod, x, lens, hx, up, half, apart_tol)
     replay_equals(mod, x, lens, hx, up, piped)
+
+
+@pytest.mark.parametrize("lengths", [(300,), (300, 41), (300, 1, 177, 260), (300, 1, 177, 260, 5, 300, 299, 64)])
+def test_tagged_forward_on_the_whole_gpu(rand, lengths):
+    """LSTM 1024 in TF32 at 1-8 samples on the whole GPU: the 16-bit forward with h in tagged lines (no barrier
+    a step) on 64 blocks, the samples spread over two groups from 2 on (uneven at 3 is covered by the layout
+    test), lengths ending mid-run and at 1: against float64, the same bits run to run and in a graph replay."""
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    n = len(lengths)
+    plan = ops.rnn_plan("lstm", 1024, n, "tf32", DEV)
+    layout = f"grid 64 blocks x {min(n, 2)} groups, 16 units and {-(-n // 2)} samples per block"
+    assert plan.startswith(layout) and TAGGED in plan, plan
+    mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, lengths=lengths, rtol=GRID_SHARES[0][2])
+    x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
+    up = [rand.randn(len(lengths), max(lengths), 1024, device=DEV)] + [rand.randn(1, len(lengths), 1024, device=DEV)
+                                                                      for _ in range(2)]
+    first = run_and_grads(mod, x, lens, hx, up)
+    again = run_and_grads(mod, x, lens, hx, up)
+    for a, b in zip(first[0] + first[1], again[0] + again[1]):
+        assert_same_bits(a, b, "rerun")
+    replay_equals(mod, x, lens, hx, up, first)
 
 
 @pytest.mark.parametrize("H,tf32,tol", [case[:3] for case in GRID_SHARES])
@@ -516,13 +537,13 @@ def test_tf32_mode_tolerance(rand):
     ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid",
      ("TF32 products on the tensor cores (forward)", "backward: grid 32 blocks x 2 groups, 16 units and 6 samples",
       HALF_BACKWARD), 64),
-    # fewer than 8 samples: the TF32 forward; two groups of 2 and 1 samples
-    ("lstm", 1001, [30, 4, 17], True, "grid 126 blocks x 1",
-     ("TF32 products on the tensor cores (forward)", "backward: grid 64 blocks x 2 groups, 16 units and 2 samples",
-      HALF_BACKWARD), 0),
+    # fewer than 8 samples: the 16-bit forward with tagged lines on 63 blocks (on more, 9-15 units each, its
+    # polls cost more than the barrier), two groups of 2 and 1 samples, as the backward's
+    ("lstm", 1001, [30, 4, 17], True, "grid 63 blocks x 2 groups, 16 units and 2 samples",
+     (HALF_FORWARD, TAGGED, "backward: grid 64 blocks x 2 groups, 16 units and 2 samples", HALF_BACKWARD), 0),
     # one sample: the fp32 register backward (the 16-bit one measured no faster there)
-    ("lstm", 1024, [30], False, "grid 128 blocks x 1",
-     ("W_hh in registers (forward and backward)", "TF32 products on the tensor cores (forward)"), 0),
+    ("lstm", 1024, [30], False, "grid 64 blocks x 1 groups, 16 units and 1 samples",
+     (HALF_FORWARD, TAGGED, "backward: grid 128 blocks x 1 groups", "W_hh in registers (backward)"), 0),
     # more than 16 samples a group: the fp32 register backward
     ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2 groups, 16 units and 20 samples",
      (HALF_FORWARD, "W_hh in registers (backward)"), 0),
@@ -539,7 +560,8 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_
 @pytest.mark.parametrize("cell,lens", [("lstm", [30]), ("lstm", LENS32[:16]), ("gru", [30, 4, 17, 1, 30, 9, 0, 22])])
 def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     """Within half the SMs no fp32 kernel holds hidden 1024; in tf32 the 16-bit kernels alone make the plan
-    (pipelined stacks, directions side by side), one sample included, where the whole GPU never takes them:
+    (pipelined stacks, directions side by side), one sample included (the whole GPU takes their forward from 8
+    samples a group on, or with tagged lines at up to 4, and their backward from 2):
     one group on at most half the SMs, every output of both ops against the CPU kernels. 17 samples: none
     (the backward holds 16 a group)."""
     half = _half_the_sms()

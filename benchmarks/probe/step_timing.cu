@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
       // Both exchanges, whichever the planner would take (half_forward_tagged), each zeroed before each
       // launch as the host zeroes it (a tagged line left from the last launch would carry tags it waits for).
       printf(" W_hh and h in 16 bits, fp16 MMAs (%d m-tiles x %d k16-steps per warp), %s%s:\n", hsh.mt, hsh.ks,
-             tagged ? "h in tagged lines" : "h in rows and a barrier", half_forward_tagged(B) == tagged ? " (planned)" : "");
+             tagged ? "h in tagged lines" : "h in rows and a barrier", half_forward_tagged(nc, hs, B) == tagged ? " (planned)" : "");
       const size_t hbytes = grid_half_exchange(g, groups, tagged) * 4;
       float* hfx;
       cudaMalloc(&hfx, hbytes);

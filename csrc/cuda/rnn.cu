@@ -160,12 +160,13 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
 // whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500 and
-// ~320 a sample for its polls: LSTM 1024 on 64 blocks measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4
-// samples against 4,990-5,154 with the barrier (BENCHMARKS.md, thirty-third session).
-double half_forward_clocks(const GridHalfFwdShape& sh, int H, int bs) {
+// ~320 a sample's 16K lines polled (LSTM 1024 on 64 blocks measured 3,352 / 3,674 / 4,413 clocks a step at
+// 1 / 2 / 4 samples against 4,990-5,154 with the barrier: BENCHMARKS.md, thirty-third session).
+double half_forward_clocks(const GridHalfFwdShape& sh, int H, int nc, int hs, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
-  return std::max(mmas, intake) + (half_forward_tagged(bs) ? 500.0 + 320.0 * bs : 2500.0);
+  const double polls = static_cast<double>(half_forward_tagged_lines(nc, hs, bs)) * 320.0 / 16384.0;
+  return std::max(mmas, intake) + (half_forward_tagged(nc, hs, bs) ? 500.0 + polls : 2500.0);
 }
 // The backward with W_hh and the gate gradients in 16 bits: as the forward's, its MMAs (sb * G a warp and
 // tile of samples) or its staging of the group's gate gradients (G * 16 * nc halves a sample).
@@ -297,30 +298,38 @@ LaunchPlan half_launch(int nc, int hs, int bs, int groups, int64_t smem) {
 // Below that it was slower than the TF32 forward: one sample, LSTM 1024, 5,261 clocks a step on 64 blocks
 // against 4,769 on 128; 16 samples a group on 2 x 64 blocks, 7,201 against 9,904 for 32 on 128 (BENCHMARKS.md,
 // twenty-fourth session). Its blocks need no multiple of 4 units (that is the backward's float4 sums).
-// `min_samples`: 1 where no other forward fits the SMs given (grid_plan).
+// `min_samples`: 1 where no other forward fits the SMs given (grid_plan). With the tagged exchange
+// (half_forward_tagged) it also runs below min_samples, and spread over as many groups as the SMs hold, where
+// its estimate wins: LSTM 1024 at one sample measured 3,352 clocks a step on 64 blocks against the TF32
+// forward's 4,871 on 128, and at 8 samples two groups of 4 tagged (4,438 each) beat one of 8 with the barrier
+// (5,269; BENCHMARKS.md, thirty-third and thirty-fourth sessions).
 constexpr int kHalfFwdMinSamples = 8;
 void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& forward,
                        double clocks, int min_samples = kHalfFwdMinSamples) {
-  if (B < min_samples) return;
   const int G = num_gates(cell);
   const int64_t optin = static_cast<int64_t>(p.sharedMemPerBlockOptin);
   for (int hs = ceil_div(33, G); G * hs <= 64; ++hs) {
     const GridHalfFwdShape sh(G, H, hs);
     const int nc = ceil_div(H, hs);
     if (sh.ks == 0 || nc > sms || nc <= kMaxCluster || ceil_div(H, nc) != hs) continue;
-    const int bs = ceil_div(B, std::min(sms / nc, B / min_samples)), groups = ceil_div(B, bs);
-    if (bs * hs > kThreads * kGridRegItems) continue;
-    const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
-    const bool tagged = half_forward_tagged(bs);
-    const int64_t smem = GridHalfFwdSmem(g, sh, tagged).total;
-    if (smem > optin) continue;
-    const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks, tagged);
-    prepare(kernel, device, p.sharedMemPerBlockOptin);
-    if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) continue;
-    const double c = half_forward_clocks(sh, H, bs);
-    if (c >= clocks) continue;
-    clocks = c;
-    forward = half_launch(nc, hs, bs, groups, smem);
+    // Samples a group: at least min_samples each, or (tagged only) as few as the SMs allow.
+    const int packed = ceil_div(B, std::min(sms / nc, std::max(1, B / min_samples))), spread = ceil_div(B, sms / nc);
+    for (int i = 0; i < (spread < packed ? 2 : 1); ++i) {
+      const int bs = i ? spread : packed, groups = ceil_div(B, bs);
+      if (bs * hs > kThreads * kGridRegItems) continue;
+      const Geometry g{B, 1, H, nc, hs, bs, bs, Sync::kGrid, 0};
+      const bool tagged = half_forward_tagged(nc, hs, bs);
+      if ((B < min_samples || i) && !tagged) continue;
+      const int64_t smem = GridHalfFwdSmem(g, sh, tagged).total;
+      if (smem > optin) continue;
+      const void* kernel = grid_forward_half_kernel(cell, sh.mt, sh.ks, tagged);
+      prepare(kernel, device, p.sharedMemPerBlockOptin);
+      if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups) continue;
+      const double c = half_forward_clocks(sh, H, nc, hs, bs);
+      if (c >= clocks) continue;
+      clocks = c;
+      forward = half_launch(nc, hs, bs, groups, smem);
+    }
   }
 }
 
@@ -350,7 +359,7 @@ void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& 
 
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
-// in the fewest chunks of columns whose two buffers fit beside W_hh.
+// in the packed chunks of columns whose two buffers fit beside W_hh.
 void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device,
                LayerPlan& best) {
   const Weights w = stored_weights(precision);
@@ -438,7 +447,7 @@ const void* tf32_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
 }
 const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   const GridHalfFwdShape sh(num_gates(z.cell), static_cast<int>(z.H), plan.hs);
-  return grid_forward_half_kernel(z.cell, sh.mt, sh.ks, half_forward_tagged(plan.bs));
+  return grid_forward_half_kernel(z.cell, sh.mt, sh.ks, half_forward_tagged(plan.nc, plan.hs, plan.bs));
 }
 const void* half_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
   return grid_backward_half_kernel(z.cell, GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb);
@@ -507,7 +516,7 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
   if (fhalf || bhalf)
     s += std::string(fhalf && bhalf ? ", W_hh, h and the gate gradients" : fhalf ? ", W_hh and h" : ", W_hh and the gate gradients") +
          " in 16 bits, fp16 products on the tensor cores" + which(fhalf, bhalf);
-  if (fhalf && half_forward_tagged(f->bs)) s += ", h passed in tagged lines, no barrier a step (forward)";
+  if (fhalf && half_forward_tagged(f->nc, f->hs, f->bs)) s += ", h passed in tagged lines, no barrier a step (forward)";
   if (ftf32) s += ", TF32 products on the tensor cores (forward)";
   return s;
 }
@@ -627,7 +636,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_r
   if (grid) {
     // Rows of round_up(H, 4) floats (16-bit forward: round_up(H, 8) halves) for 16-byte copies; the padding
     // stays zero (nobody writes it). Tagged lines start zero too: no tag a step waits for.
-    const int64_t n = plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups, half_forward_tagged(plan.bs))
+    const int64_t n = plan.half ? grid_half_exchange(geometry(plan, z, reverse), plan.groups,
+                                                     half_forward_tagged(plan.nc, plan.hs, plan.bs))
                                 : 2 * plan.groups * plan.bs * round_up(static_cast<int>(z.H), 4);
     xchg = at::zeros({n}, opts);
     arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));

@@ -97,14 +97,22 @@ struct GridHalfFwdSmem {
     total = off;
   }
 };
-// Its exchange of h without a barrier a step (TaggedLines, rnn_grid_kernels.cuh), for groups of at most
-// kHalfFwdTaggedMaxSamples samples: per step, one trip through L2 where the barrier takes three, but each
-// line carries 8 bytes of h in 16 and every thread of every block polls its lines. LSTM 1024 on 64 blocks
-// (one H100): 3,352 / 3,674 / 4,413 / 13,485 clocks a step at 1 / 2 / 4 / 8 samples a group, against
-// 4,990-5,269 with the barrier (BENCHMARKS.md, thirty-third session). 4 is faster too, but only up to 2 has
-// run the GPU tests.
-constexpr int kHalfFwdTaggedMaxSamples = 2;
-inline bool half_forward_tagged(int bs) { return bs <= kHalfFwdTaggedMaxSamples; }
+// Its exchange of h without a barrier a step (TaggedLines, rnn_grid_kernels.cuh): per step, one trip through
+// L2 where the barrier takes three, but each line carries 8 bytes of h in 16 and every block polls every
+// line of its group, so its cost grows with the lines polled a step, nc * nc * bs * ceil(hs / 4). LSTM 1024
+// on 64 blocks (one H100): 3,352 / 3,674 / 4,065 / 4,438 / 13,485 clocks a step at 1 / 2 / 3 / 4 / 8 samples
+// a group (16K-131K lines), against 4,990-5,269 with the barrier; LSTM 1001 at 3 samples on 112 blocks
+// (113K lines) 16,876 against 5,055 (BENCHMARKS.md, thirty-third and thirty-fourth sessions). So it is
+// taken only where it measured faster: up to 4 samples, 64 blocks and 64K lines.
+constexpr int kHalfFwdTaggedMaxSamples = 4, kHalfFwdTaggedMaxBlocks = 64;
+constexpr int64_t kHalfFwdTaggedMaxLines = 65536;
+inline int64_t half_forward_tagged_lines(int nc, int hs, int bs) {
+  return static_cast<int64_t>(nc) * nc * bs * ceil_div(hs, 4);
+}
+inline bool half_forward_tagged(int nc, int hs, int bs) {
+  return bs <= kHalfFwdTaggedMaxSamples && nc <= kHalfFwdTaggedMaxBlocks &&
+         half_forward_tagged_lines(nc, hs, bs) <= kHalfFwdTaggedMaxLines;
+}
 // Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves; tagged, the lines
 // [2][groups][bs][nc][ceil(hs / 4)] of 4 floats' bytes each (4 fp16 h and two tags).
 inline int64_t grid_half_exchange(const Geometry& g, int groups, bool tagged) {
