@@ -159,9 +159,10 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // measured: 1,267-1,405 a tile against 900-1,011, each MMA twice the products) or its staging of the
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
-// whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500 and
-// ~320 a sample's 16K lines polled (LSTM 1024 on 64 blocks measured 3,352 / 3,674 / 4,413 clocks a step at
-// 1 / 2 / 4 samples against 4,990-5,154 with the barrier: BENCHMARKS.md, thirty-third session).
+// whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500, and
+// ~320 for each 16K lines polled a step (half_forward_tagged_lines; 16K: a sample of LSTM 1024 on 64 blocks,
+// which measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4 samples against 4,990-5,154 with the
+// barrier: BENCHMARKS.md, thirty-third session).
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int nc, int hs, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
@@ -300,9 +301,10 @@ LaunchPlan half_launch(int nc, int hs, int bs, int groups, int64_t smem) {
 // twenty-fourth session). Its blocks need no multiple of 4 units (that is the backward's float4 sums).
 // `min_samples`: 1 where no other forward fits the SMs given (grid_plan). With the tagged exchange
 // (half_forward_tagged) it also runs below min_samples, and spread over as many groups as the SMs hold, where
-// its estimate wins: LSTM 1024 at one sample measured 3,352 clocks a step on 64 blocks against the TF32
-// forward's 4,871 on 128, and at 8 samples two groups of 4 tagged (4,438 each) beat one of 8 with the barrier
-// (5,269; BENCHMARKS.md, thirty-third and thirty-fourth sessions).
+// its estimate wins: LSTM 1024 at one sample measured 3,353 clocks a step on 64 blocks against the TF32
+// forward's 4,846 on 128 (0.99 against 1.31 ms a launch), and at 8 samples two groups of 4 tagged on 64
+// blocks each 4,524 (1.26 ms) against one group of 8 on 114 blocks with the barrier, 4,928 (1.35 ms;
+// BENCHMARKS.md, thirty-fourth session).
 constexpr int kHalfFwdMinSamples = 8;
 void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& forward,
                        double clocks, int min_samples = kHalfFwdMinSamples) {
@@ -359,7 +361,7 @@ void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& 
 
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
 // (one block per SM), hs a multiple of 4 (the backward sums its units' partials as float4s), h staged
-// in the packed chunks of columns whose two buffers fit beside W_hh.
+// in the fewest chunks of columns whose two buffers fit beside W_hh.
 void grid_plan(Cell cell, Weights precision, int H, int B, int sms, const cudaDeviceProp& p, int device,
                LayerPlan& best) {
   const Weights w = stored_weights(precision);
