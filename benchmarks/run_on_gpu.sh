@@ -134,12 +134,13 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
 # benchmarks/probe with the patch applied, and `probe` / `windows` run their step timings on both, the patched
 # kernels' after this tree's: the A/B of a kernel change in one call, without rebuilding the extension.
 bin_b=/tmp/vlseq_step_timing_patched
-# A copy of the csrc and benchmarks/probe of tree $3 (default this one) in $1, with the diff $2 applied when given.
+# A copy of the csrc and benchmarks/probe of tree $3 (default this one) in $1, with the diff $2 applied when given
+# (only its changes to those two: a patch that also changes tests, as the trial's do, applies too).
 copy_probe_tree() {
   local tree=$1 from=${3:-.} diff
   rm -rf "$tree" && mkdir -p "$tree/benchmarks" && cp -r "$from/csrc" "$tree/" && cp -r "$from/benchmarks/probe" "$tree/benchmarks/" ||
     return 1
-  [ -z "${2:-}" ] || { diff=$(realpath "$2") && (cd "$tree" && git apply "$diff"); } ||
+  [ -z "${2:-}" ] || { diff=$(realpath "$2") && (cd "$tree" && git apply --include='csrc/*' --include='benchmarks/probe/*' "$diff"); } ||
     { echo "PROBE_PATCH $2 does not apply"; rc=1; return 1; }
 }
 build_probe_patched() {  # [source tree]: PROBE_PATCH applied to a copy of it (default this one)

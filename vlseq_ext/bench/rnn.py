@@ -61,7 +61,7 @@ POINTS = [
     Point("lstm512x2_b1", "lstm", 512, 2, False, 1, 480),
     Point("lstm512bi_b8_var", "lstm", 512, 1, True, 8, 500, "50-500"),
     Point("lstm1024_b1", "lstm", 1024, 1, False, 1, 500),
-    # One sample in TF32 on the whole GPU (the forward that the 16-bit kernels with tagged lines could take).
+    # One sample in TF32 on the whole GPU (its forward: the 16-bit kernels with h in tagged lines, 64 blocks).
     Point("lstm1024_b1_tf32", "lstm", 1024, 1, False, 1, 500, precision="tf32"),
     Point("lstm1024_b32", "lstm", 1024, 1, False, 32, 500, target=2.0),
     Point("lstm1024_b32_tf32", "lstm", 1024, 1, False, 32, 500, precision="tf32", target=2.0),
