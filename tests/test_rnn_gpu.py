@@ -33,6 +33,7 @@ HALF_FORWARD = "W_hh and h in 16 bits, fp16 products on the tensor cores (forwar
 HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the tensor cores (backward)"
 HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
 TAGGED = "h passed in tagged lines, no barrier a step (forward)"
+SCATTER = "partial dh passed in tagged lines, no barrier a step (backward)"
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
@@ -442,10 +443,11 @@ def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, 
     SMs (one sample included), the two layers at once over time windows (concurrency.pipeline_layout;
     lengths ending inside windows and at 1): against float64, against the same kernels layer by layer, and
     the same bits in a graph replay. In TF32 (LSTM 1024, the 16-bit kernels: at 1-4 samples their
-    forward passes h in tagged lines, at 8 through rows and a barrier) and fp32 (LSTM 512)."""
+    forward passes h and their backward partial dh in tagged lines, at 8 through rows and a barrier) and fp32
+    (LSTM 512)."""
     half = _half_the_sms()
     plan = _grid_share_case(H, tf32, half, len(lengths))
-    assert (TAGGED in plan) == (tf32 and len(lengths) <= 4), plan
+    assert (TAGGED in plan) == (tf32 and len(lengths) <= 4) == (SCATTER in plan), plan
     mod, x, lens, hx = compare(rand, nn.LSTM, 36, H, layers=2, lengths=lengths, rtol=tol)
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     assert mod._layout(x, len(lengths), 100) == {"chunks": 2, "side_by_side_blocks": 0, "max_blocks": half}
@@ -456,15 +458,16 @@ def test_grid_stack_pipelined_on_half_the_gpu_each(rand, lengths, H, tf32, tol, 
 
 
 @pytest.mark.parametrize("lengths", [(300,), (300, 41), (300, 1, 177, 260), (300, 1, 177, 260, 5, 300, 299, 64)])
-def test_tagged_forward_on_the_whole_gpu(rand, lengths):
-    """LSTM 1024 in TF32 at 1-8 samples on the whole GPU: the 16-bit forward with h in tagged lines (no barrier
-    a step) on 64 blocks, the samples spread over two groups from 2 on (uneven at 3 is covered by the layout
-    test), lengths ending mid-run and at 1: against float64, the same bits run to run and in a graph replay."""
+def test_tagged_lines_on_the_whole_gpu(rand, lengths):
+    """LSTM 1024 in TF32 at 1-8 samples on the whole GPU: the 16-bit forward with h in tagged lines and the
+    16-bit backward by reduce-scatter with partial dh in tagged lines (no barrier a step) on 64 blocks, the
+    samples spread over two groups from 2 on (uneven at 3 is covered by the layout test), lengths ending
+    mid-run and at 1: against float64, the same bits run to run and in a graph replay."""
     torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
     n = len(lengths)
     plan = ops.rnn_plan("lstm", 1024, n, "tf32", DEV)
     layout = f"grid 64 blocks x {min(n, 2)} groups, 16 units and {-(-n // 2)} samples per block"
-    assert plan.startswith(layout) and TAGGED in plan, plan
+    assert plan.startswith(layout) and HALF_BOTH in plan and TAGGED in plan and SCATTER in plan, plan
     mod, x, lens, hx = compare(rand, nn.LSTM, 36, 1024, lengths=lengths, rtol=GRID_SHARES[0][2])
     x, hx, lens = x.to(DEV), _to(hx, device=DEV), lens.to(DEV)
     up = [rand.randn(len(lengths), max(lengths), 1024, device=DEV)] + [rand.randn(1, len(lengths), 1024, device=DEV)
@@ -538,12 +541,18 @@ def test_tf32_mode_tolerance(rand):
      ("TF32 products on the tensor cores (forward)", "backward: grid 32 blocks x 2 groups, 16 units and 6 samples",
       HALF_BACKWARD), 64),
     # fewer than 8 samples: the 16-bit forward with tagged lines on 63 blocks (on more, 9-15 units each, its
-    # polls cost more than the barrier), two groups of 2 and 1 samples, as the backward's
+    # polls cost more than the barrier), two groups of 2 and 1 samples, as the backward's, by reduce-scatter
+    # (its 64th block holds no unit)
     ("lstm", 1001, [30, 4, 17], True, "grid 63 blocks x 2 groups, 16 units and 2 samples",
-     (HALF_FORWARD, TAGGED, "backward: grid 64 blocks x 2 groups, 16 units and 2 samples", HALF_BACKWARD), 0),
-    # one sample: the fp32 register backward (the 16-bit one measured no faster there)
-    ("lstm", 1024, [30], False, "grid 64 blocks x 1 groups, 16 units and 1 samples",
-     (HALF_FORWARD, TAGGED, "backward: grid 128 blocks x 1 groups", "W_hh in registers (backward)"), 0),
+     (HALF_FORWARD, TAGGED, "backward: grid 64 blocks x 2 groups, 16 units and 2 samples", HALF_BACKWARD, SCATTER), 0),
+    # one sample: both directions in 16 bits on 64 blocks, with tagged lines (the backward by reduce-scatter)
+    ("lstm", 1024, [30], False, "grid 64 blocks x 1 groups, 16 units and 1 samples", (HALF_BOTH, TAGGED, SCATTER), 0),
+    ("gru", 1024, [30], True, "grid 64 blocks x 1 groups, 16 units and 1 samples", (HALF_BOTH, TAGGED, SCATTER), 0),
+    # the reduce-scatter on 48 blocks (6 m-tiles a warp, 4 blocks past H) and on 32 (4 m-tiles), lengths 0 and 1
+    ("gru", 700, [30, 0, 17], False, "grid", ("backward: grid 48 blocks x 2 groups, 16 units and 2 samples",
+                                              HALF_BACKWARD, SCATTER), 0),
+    ("lstm", 512, [1, 30, 22], True, "grid", ("backward: grid 32 blocks x 2 groups, 16 units and 2 samples",
+                                              HALF_BACKWARD, SCATTER), 64),
     # more than 16 samples a group: the fp32 register backward
     ("lstm", 1024, LENS32[:20] + [30, 5, 11, 30] * 5, False, "grid 64 blocks x 2 groups, 16 units and 20 samples",
      (HALF_FORWARD, "W_hh in registers (backward)"), 0),
@@ -557,11 +566,13 @@ def test_op_grid_layout_tf32(rand, cell, H, lens, reverse, layout, kernels, max_
     assert plan.startswith(layout) and all(k in plan for k in kernels), plan
 
 
-@pytest.mark.parametrize("cell,lens", [("lstm", [30]), ("lstm", LENS32[:16]), ("gru", [30, 4, 17, 1, 30, 9, 0, 22])])
+@pytest.mark.parametrize("cell,lens", [("lstm", [30]), ("lstm", LENS32[:16]), ("gru", [30, 4, 17, 1, 30, 9, 0, 22]),
+                                      ("gru", [30, 0, 1, 17])])
 def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     """Within half the SMs no fp32 kernel holds hidden 1024; in tf32 the 16-bit kernels alone make the plan
     (pipelined stacks, directions side by side), one sample included (the whole GPU takes their forward from 8
-    samples a group on, or with tagged lines at up to 4, and their backward from 2):
+    samples a group on, or with tagged lines at up to 4, and their backward from 2, or by reduce-scatter at up
+    to 4):
     one group on at most half the SMs, every output of both ops against the CPU kernels. 17 samples: none
     (the backward holds 16 a group)."""
     half = _half_the_sms()
@@ -569,13 +580,15 @@ def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     assert ops.rnn_plan(cell, 1024, 17, "tf32", DEV, max_blocks=half) == ""
     plan = ops.rnn_plan(cell, 1024, len(lens), "tf32", DEV, max_blocks=half)
     assert plan.startswith("grid") and concurrency._blocks(plan) <= half and "x 2 groups" not in plan, plan
-    assert both_in_16_bits(plan), plan
+    assert both_in_16_bits(plan) and (SCATTER in plan) == (len(lens) <= 4), plan
     compare_ops_with_cpu(rand, cell, lens, 30, 1024, cell == "gru", weights="tf32", max_blocks=half, tol=TF32_OP_TOL)
 
 
-def test_op_16_bit_kernels_scale_rows_and_columns(rand):
+@pytest.mark.parametrize("lens", [LENS32, LENS32[:8]])
+def test_op_16_bit_kernels_scale_rows_and_columns(rand, lens):
     """The 16-bit forward scales each row of W_hh by a power of 2 of its own, the 16-bit backward each
-    column: rows of weights past fp16's
+    column (at 8 samples, 4 a group, the reduce-scatter backward each row, as the forward): rows of weights
+    past fp16's
     range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
     normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
     ones; and huge columns, so that every row's largest weight is ~1e6 times its others (which keep their
@@ -584,8 +597,8 @@ def test_op_16_bit_kernels_scale_rows_and_columns(rand):
     shut (input -1e8) and h0 = 0, so their h stays 0 and only the backward multiplies by those columns (dh0
     ~1e5). Every output of both ops against the CPU kernels within TF32_OP_TOL."""
     H, cols = 1024, [2, 100, 513, 1000]  # units whose output gate's row is not one of the huge rows
-    plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
-    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan, plan
+    plan = ops.rnn_plan("lstm", H, len(lens), "tf32", DEV)
+    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan and (SCATTER in plan) == (len(lens) == 8), plan
 
     def rows_and_columns_apart(xp, w, b, h0):
         huge = torch.arange(0, 4 * H, 7)
@@ -601,26 +614,28 @@ def test_op_16_bit_kernels_scale_rows_and_columns(rand):
         assert w.abs().max() > 65504 and w.isfinite().all()
         return xp, w, b, h0
 
-    compare_ops_with_cpu(rand, "lstm", LENS32, 30, H, False, weights="tf32", tol=TF32_OP_TOL,
+    compare_ops_with_cpu(rand, "lstm", lens, 30, H, False, weights="tf32", tol=TF32_OP_TOL,
                          adjust=rows_and_columns_apart)
 
 
-def test_op_backward_in_16_bits_scales_each_sample(rand):
+@pytest.mark.parametrize("lens", [LENS32, LENS32[:8]])
+def test_op_backward_in_16_bits_scales_each_sample(rand, lens):
     """The 16-bit backward publishes each block's gate gradients of a sample with a power-of-2 scale of their
-    own: samples whose gradients are ~1e-30 (below fp16's range, and 1e-25 of the others) and ~1e25 (past
-    it) beside ordinary ones, in the same block, and units whose gradients are 1e6 times their block's
-    others. Every output of both ops, sample by sample, against the CPU kernels within TF32_OP_TOL."""
+    own (all-gather at 32 samples; at 8 the reduce-scatter, whose partial sums then carry it): samples whose
+    gradients are ~1e-30 (below fp16's range, and 1e-25 of the others) and ~1e25 (past it) beside ordinary
+    ones, in the same block, and units whose gradients are 1e6 times their block's others. Every output of
+    both ops, sample by sample, against the CPU kernels within TF32_OP_TOL."""
     H = 1024
-    plan = ops.rnn_plan("lstm", H, len(LENS32), "tf32", DEV)
-    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan, plan
+    plan = ops.rnn_plan("lstm", H, len(lens), "tf32", DEV)
+    assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan and (SCATTER in plan) == (len(lens) == 8), plan
 
     def samples_apart(dy, dh_n, dc_n):
-        scale = torch.tensor([1e-30, 1.0, 1e25, 1e-12] * 8, dtype=dy.dtype)
+        scale = torch.tensor([1e-30, 1.0, 1e25, 1e-12] * (len(lens) // 4), dtype=dy.dtype)
         loud = torch.arange(3, H, 37)  # a unit in most blocks of 16
         dy[:, :, loud] *= 1e6
         return dy * scale[:, None, None], dh_n * scale[:, None], dc_n * scale[:, None]
 
-    compare_ops_with_cpu(rand, "lstm", LENS32, 30, H, True, weights="tf32", tol=TF32_OP_TOL, adjust_grads=samples_apart,
+    compare_ops_with_cpu(rand, "lstm", lens, 30, H, True, weights="tf32", tol=TF32_OP_TOL, adjust_grads=samples_apart,
                          per_sample=True)
 
 

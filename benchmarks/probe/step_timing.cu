@@ -8,7 +8,7 @@
 // then, in fp32, the fused ones and the reduce-scatter backward where they fit; nc > 16: the grid kernels,
 // launched cooperatively, h staged in the chunks the planner would pick; both directions also with W_hh in
 // registers and the forward with TF32 MMAs where they fit, and with W_hh in 16 bits (the forward, and the
-// backward on blocks of its own) where they do. Several
+// backward on blocks of its own, all-gather and, up to 4 samples, reduce-scatter) where they do. Several
 // groups make the batch's tensors outgrow L2, as in the bench (7 groups of 5 samples: the LSTM 256 x 2 at
 // batch 32). Built with -DVLSEQ_RNN_L2_PREFETCH=0, the fused kernels do not ask L2 for the step after
 // next's inputs (the A/B of BENCHMARKS.md, ninth session).
@@ -37,6 +37,7 @@ VLSEQ_RNN_GRID_FWD_REGS_TABLE(grid_forward_regs_kernel, rnn_forward_grid_regs_ke
 VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_kernel)
 VLSEQ_RNN_GRID_HALF_FWD_TABLE(grid_forward_half_kernel, rnn_forward_grid_half_kernel)
 VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_kernel, rnn_backward_grid_half_kernel)
+VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_scatter_kernel, rnn_backward_grid_half_scatter_kernel)
 }  // namespace vlseq::rnn
 
 // The SM clock's rate: clock64 against the global timer (ns) over a ~2 ms spin of one thread.
@@ -259,6 +260,18 @@ int main(int argc, char** argv) {
       static const char* gbh[] = {"stage+mma+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
       launch(grid_backward_half_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfBwdSmem(hg, G).total, true, arrivals, groups);
       report(1, 6, T, gbh);
+      if (half_backward_scatter(hnc, B)) {  // the planner's kernel there; its lines zeroed before each launch
+        printf(" the same by reduce-scatter, partial dh in tagged lines, no barrier (planned):\n");
+        const size_t sbytes = grid_half_scatter_exchange(hg, groups) * 4;
+        float* sx;
+        cudaMalloc(&sx, sbytes);
+        hb.xchg = sx;
+        static const char* gbs[] = {"poll+sum+sync", "cell+sync", "mma+lines", "-", "stores+prefetch", "-"};
+        launch(grid_backward_half_scatter_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfScatterSmem(hg, G).total, true,
+               arrivals, groups, sx, sbytes);
+        report(1, 6, T, gbs);
+        cudaFree(sx);
+      }
     }
     return 0;
   }

@@ -176,6 +176,12 @@ double half_backward_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
   const double intake = static_cast<double>(bs) * nc * G * kHalfBwdUnits * 2.0 / 42.0;
   return std::max(mmas, intake) + 2500.0;
 }
+// By reduce-scatter in tagged lines (half_backward_scatter): its MMAs (the same count) and polls as the tagged
+// forward's, one after the other: ~500 and ~320 for each 16K lines polled a step.
+double half_scatter_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
+  const double polls = static_cast<double>(half_backward_scatter_lines(nc, bs)) * 320.0 / 16384.0;
+  return 11.0 * sh.sb * G * ceil_div(bs, 8) + 500.0 + polls;
+}
 
 struct Cost {
   double clocks = 0;
@@ -341,21 +347,25 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
 // backward's (gone since) and the fp32 register one's from 2 samples on (LSTM 1024, 2 groups of 16 samples
 // on 64 blocks: 11,328 clocks, against 16,235 for 32 on 128; 2 groups of 1: 5,979 against ~6,600), but
 // the same at one (5,992 against 5,936), where the fp32 kernel keeps fp32 (BENCHMARKS.md, twenty-sixth
-// session). `min_batch`: 1 where no other backward fits the SMs given (grid_plan).
+// session). `min_batch`: 1 where no other backward fits the SMs given (grid_plan). Up to 4 samples a group
+// (half_backward_scatter) the reduce-scatter kernel runs instead, at any batch.
 constexpr int kHalfBwdMinBatch = 2;
 void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& backward,
                         double clocks, int min_batch = kHalfBwdMinBatch) {
   const int G = num_gates(cell), nc = grid_half_backward_blocks(H);
-  if (B < min_batch || nc == 0 || nc > sms) return;
+  if (nc == 0 || nc > sms) return;
   const int bs = ceil_div(B, std::min(sms / nc, B)), groups = ceil_div(B, bs);
+  const bool scatter = half_backward_scatter(nc, bs);
+  if (B < min_batch && !scatter) return;
   const GridHalfBwdShape sh(kHalfBwdUnits, nc, bs);
   if (sh.sb == 0) return;
   const Geometry g{B, 1, H, nc, kHalfBwdUnits, bs, bs, Sync::kGrid, 0};
-  const int64_t smem = GridHalfBwdSmem(g, G).total;
+  const int64_t smem = scatter ? GridHalfScatterSmem(g, G).total : GridHalfBwdSmem(g, G).total;
   if (smem > static_cast<int64_t>(p.sharedMemPerBlockOptin)) return;
-  const void* kernel = grid_backward_half_kernel(cell, sh.sb);
+  const void* kernel = scatter ? grid_backward_half_scatter_kernel(cell, sh.sb) : grid_backward_half_kernel(cell, sh.sb);
   prepare(kernel, device, p.sharedMemPerBlockOptin);
-  if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups || half_backward_clocks(sh, G, nc, bs) >= clocks) return;
+  const double c = scatter ? half_scatter_clocks(sh, G, nc, bs) : half_backward_clocks(sh, G, nc, bs);
+  if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups || c >= clocks) return;
   backward = half_launch(nc, kHalfBwdUnits, bs, groups, smem);
 }
 
@@ -452,7 +462,9 @@ const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   return grid_forward_half_kernel(z.cell, sh.mt, sh.ks, half_forward_tagged(plan.nc, plan.hs, plan.bs));
 }
 const void* half_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
-  return grid_backward_half_kernel(z.cell, GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb);
+  const int sb = GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb;
+  return half_backward_scatter(plan.nc, plan.bs) ? grid_backward_half_scatter_kernel(z.cell, sb)
+                                                 : grid_backward_half_kernel(z.cell, sb);
 }
 
 template <typename Args>
@@ -519,6 +531,7 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
     s += std::string(fhalf && bhalf ? ", W_hh, h and the gate gradients" : fhalf ? ", W_hh and h" : ", W_hh and the gate gradients") +
          " in 16 bits, fp16 products on the tensor cores" + which(fhalf, bhalf);
   if (fhalf && half_forward_tagged(f->nc, f->hs, f->bs)) s += ", h passed in tagged lines, no barrier a step (forward)";
+  if (bhalf && half_backward_scatter(b->nc, b->bs)) s += ", partial dh passed in tagged lines, no barrier a step (backward)";
   if (ftf32) s += ", TF32 products on the tensor cores (forward)";
   return s;
 }
@@ -692,10 +705,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor xchg, arrivals;
   if (grid) {
     // 16 bits: the groups' gate gradients and their scales (zeroed: every row read was written, but a
-    // stray NaN would poison a sum); the register backward: owner-major partials of nc * ng sources.
+    // stray NaN would poison a sum), or the reduce-scatter's tagged lines (zeroed: no tag a step waits for);
+    // the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
     if (plan.half) {
-      xchg = at::zeros({grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)}, opts);
+      xchg = at::zeros({half_backward_scatter(plan.nc, plan.bs) ? grid_half_scatter_exchange(g, plan.groups)
+                                                                 : grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)},
+                       opts);
       arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
     } else {
       xchg = at::empty({plan.fused ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)

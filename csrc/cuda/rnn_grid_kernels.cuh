@@ -622,8 +622,9 @@ __device__ __forceinline__ void load_weights_swizzled(WT* wt, int ldt, int ks, c
 // (the partials' sums, or the 16-bit kernel's products of the gate gradients; read back by sum_of(b, j));
 // the cells write the gate gradients to dg_s[b * ldg + k * hs + j]; products(parity, s) sends this
 // block's part of the samples running at s (partial dh_{t-1}, or the gate gradients); then the barrier,
-// with the gate gradients' stores and the next step's loads between its arrive and its wait.
-template <Cell C, int I, typename Gather, typename SumOf, typename Products>
+// with the gate gradients' stores and the next step's loads between its arrive and its wait. Tagged (the
+// 16-bit reduce-scatter kernel): no barrier; products sends tagged lines and gather polls them.
+template <Cell C, int I, bool Tagged = false, typename Gather, typename SumOf, typename Products>
 __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const Block& blk, const int* lens,
                                                     float* dg_s, int ldg, GroupBarrier& bar, int smax, Gather&& gather,
                                                     SumOf&& sum_of, Products&& products) {
@@ -683,7 +684,7 @@ __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const
     VLSEQ_MARK(1, 2, s);
     products(cur, s);
     VLSEQ_MARK(1, 3, s);
-    bar.arrive();
+    if constexpr (!Tagged) bar.arrive();
     VLSEQ_MARK(1, 4, s);
 #pragma unroll
     for (int i = 0; i < I; ++i) {
@@ -693,7 +694,7 @@ __device__ __forceinline__ void grid_backward_steps(const BackwardArgs& a, const
     }
     prefetch(s - 1);
     VLSEQ_MARK(1, 5, s);
-    bar.wait();
+    if constexpr (!Tagged) bar.wait();
   }
   gather(0, 0);
 #pragma unroll

@@ -178,10 +178,55 @@ inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups)
   return rows * g.nc * G * kHalfBwdUnits / 2 + rows * 8 * kWarps;
 }
 
+// The 16-bit backward by reduce-scatter in tagged lines (rnn_backward_grid_half_scatter_kernel), for a few samples
+// a group on the same blocks (16 units each, nc = 8 sb): no all-gather and no barrier a step. Each block multiplies
+// its own G * 16 gate gradients of a sample by its rows of W_hh (held as the 16-bit forward holds them: fp16, a
+// power-of-2 scale per row, folded into the gate gradients), which gives a partial dh for every unit, and sends
+// each owner block its 16 units' partials in fp32 as 4 lines of 16 bytes; an owner polls the nc * 4 lines of each
+// sample and sums the sources' partials in a fixed order. Each 4-byte word of a line carries its own step tag in
+// its 2 low mantissa bits (a relative change under 2^-21, far below the fp16 products' rounding): a 4-byte
+// access is single-copy atomic, so a word whose tag matches holds that step's value. The all-gather
+// backward's step at one sample (LSTM 1024, 64 blocks) was staging + MMAs 2,625 clocks and the barrier's arrive
+// and wait ~1,950 of 5,950; its gate gradients in tagged lines measured slower (69,632 lines polled a step,
+// BENCHMARKS.md, thirty-fourth session). Here a step polls nc * nc * 4 lines a sample, 16,384 at LSTM 1024:
+// what the 16-bit forward polls at one sample (its poll phase ~1,000 clocks).
+constexpr int kHalfScatterMaxSamples = 4;
+constexpr int64_t kHalfScatterMaxLines = 65536;
+inline int64_t half_backward_scatter_lines(int nc, int bs) {
+  return static_cast<int64_t>(nc) * nc * bs * (kHalfBwdUnits / 4);
+}
+inline bool half_backward_scatter(int nc, int bs) {
+  return bs <= kHalfScatterMaxSamples && half_backward_scatter_lines(nc, bs) <= kHalfScatterMaxLines;
+}
+// Its exchange, in floats: the lines [2][groups][nc owners][bs][nc sources][4] of 4 floats' bytes each.
+inline int64_t grid_half_scatter_exchange(const Geometry& g, int groups) {
+  return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * g.nc * (kHalfBwdUnits / 4) * 4;
+}
+// Its shared memory: the step's gate gradients in fp16, scaled ([b][ldg], ldg = G * 16 + 16 halves: a half warp's
+// 8-byte loads of 4 samples then fall on distinct banks; 8 rows, the MMAs' N), their scales ([8]), the warps' sums
+// of the polled partials ([warp][b][16]; in the set-up, the rows' largest weights, [warp][G * 16]), the rows'
+// scales, the cells' gate gradients ([b][G * 16]), the lengths.
+struct GridHalfScatterSmem {
+  int ldg, gg, gscale, part, wscale, dg, lens, total;
+  __host__ __device__ GridHalfScatterSmem(const Geometry& g, int G) {
+    const int R = G * kHalfBwdUnits;
+    ldg = R + 16;
+    int off = 0;
+    gg = off, off += round_up(8 * ldg * 2, 16);
+    gscale = off, off += 8 * 4;
+    part = off, off += kWarps * (g.bs * kHalfBwdUnits > R ? g.bs * kHalfBwdUnits : R) * 4;
+    wscale = off, off += R * 4;
+    dg = off, off += round_up(g.bs * R * 4, 16);
+    lens = off, off += round_up(g.bs * 4, 16);
+    total = off;
+  }
+};
+
 // The kernels for a cell and shape, each in a translation unit of its own.
 const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);   // rnn_grid_forward_tf32.cu
 const void* grid_forward_half_kernel(Cell c, int mt, int ks, bool tagged);  // rnn_grid_forward_half.cu
 const void* grid_backward_half_kernel(Cell c, int sb);          // rnn_grid_backward_half.cu
+const void* grid_backward_half_scatter_kernel(Cell c, int sb);  // rnn_grid_backward_half_scatter.cu
 
 #if defined(__CUDACC__)
 
@@ -641,6 +686,201 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
 #endif
 }
 
+// The tagged words of the reduce-scatter backward: a step's tag (1 or 2: two buffers by step parity, so the
+// value a word held before, two steps earlier, carries the other tag, and the zeroed buffer neither) in the 2
+// low bits of an fp32 partial.
+__device__ __forceinline__ unsigned scatter_tag(int s) { return ((s >> 1) & 1) + 1; }
+__device__ __forceinline__ unsigned with_tag(float v, unsigned tag) { return (__float_as_uint(v) & ~3u) | tag; }
+__device__ __forceinline__ bool tagged_as(const uint4& v, unsigned tag) {
+  return (((v.x ^ tag) | (v.y ^ tag) | (v.z ^ tag) | (v.w ^ tag)) & 3u) == 0;
+}
+__device__ __forceinline__ float4 untagged(const uint4& v) {
+  return make_float4(__uint_as_float(v.x & ~3u), __uint_as_float(v.y & ~3u), __uint_as_float(v.z & ~3u),
+                     __uint_as_float(v.w & ~3u));
+}
+__device__ __forceinline__ void store_line(uint4* p, unsigned x, unsigned y, unsigned z, unsigned w) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
+// The backward by reduce-scatter (half_backward_scatter, above). Warp w multiplies the block's R = G * 16 rows
+// (K: one k16-step a gate, the rows of units 4t .. 4t + 3 as slots 2t, 2t + 1, 2t + 8, 2t + 9, as the
+// all-gather kernel's) by columns w * 16 * SB ..: SB m-tiles, taken in pairs so that lane (gr, t) ends with 4
+// consecutive columns of a sample, one line: row gr + 8e of m-tile 2p + h is column 32p + 4gr + 2h + e of the
+// warp's. The samples (N) are tiles of 8 (at most 4 run). Every block sends every owner (the blocks past H
+// too, whose units' partials are zero and nobody reads) its lines for each sample running, and polls its own.
+// Safe without a barrier by TaggedLines' argument (rnn_grid_kernels.cuh): a block sends step s into buffer s & 1
+// only after it read step s + 1's lines from every block, each sent after that block had read step s + 2's from
+// buffer s & 1; a reader that saw step s + 2's word (or the zero) sees step s's next, never an older one.
+template <Cell C, int SB>
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_kernel(const BackwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kWarps == 8 && SB % 2 == 0, "m-tiles in pairs");
+  constexpr int G = C == Cell::kLSTM ? 4 : 3, U = kHalfBwdUnits, R = G * U, NC = kWarps * SB, LQ = U / 4;
+  constexpr int KW = U * SB, LDG = R + 16;  // KW: the warp's columns
+  const Geometry& g = a.g;
+  const int H = g.H;
+  const Block blk(g);
+  const int bv = blk.bv, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
+  const int64_t ldw = H;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GridHalfScatterSmem lay(g, G);  // (its ldg: LDG)
+  __half* gg_s = reinterpret_cast<__half*>(smem + lay.gg);
+  float* gscale_s = reinterpret_cast<float*>(smem + lay.gscale);
+  float* part_s = reinterpret_cast<float*>(smem + lay.part);
+  float* wscale_s = reinterpret_cast<float*>(smem + lay.wscale);
+  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][R]: gate k of unit j at k * U + j
+  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+
+  // This lane's weights: rows k * H + j0 + 4t + e (gate k, unit 4t + e; none past the block's units) at columns
+  // warp * KW + 32p + 4gr + f (none past H).
+  auto weight = [&](int k, int e, int p, int f) {
+    const int u = 4 * t + e, c = warp * KW + 32 * p + 4 * gr + f;
+    return u < blk.hv && c < H ? a.w_hh[(k * ldw + blk.j0 + u) * ldw + c] : 0.0f;
+  };
+  // Row r's scale: fp16_scale of its largest |w|, from the weights each lane loads for its fragments (their
+  // maxima over the lanes of a quad column, then over the warps).
+  {
+    float m[G][4];
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        m[k][e] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < SB / 2; ++p)
+#pragma unroll
+          for (int f = 0; f < 4; ++f) m[k][e] = fmaxf(m[k][e], fabsf(weight(k, e, p, f)));
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) m[k][e] = fmaxf(m[k][e], __shfl_xor_sync(0xffffffffu, m[k][e], off));
+        if (gr == 0) part_s[warp * R + k * U + 4 * t + e] = m[k][e];
+      }
+    __syncthreads();
+    if (tid < R) {
+      float mm = 0.0f;
+      for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, part_s[w * R + tid]);
+      wscale_s[tid] = fp16_scale(mm).x;
+    }
+    __syncthreads();
+  }
+  // A fragments: w[m][k] of m-tile m = 2p + h, gate k: rows gr (+ 8) are columns 32p + 4gr + 2h (+ 1), slots 2t,
+  // 2t + 1 (2t + 8, 2t + 9) units 4t, 4t + 1 (4t + 2, 4t + 3); each weight over its row's scale (exact).
+  uint32_t w[SB][G][4];
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    float inv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) inv[e] = fp16_scale_inverse(wscale_s[k * U + 4 * t + e]);
+#pragma unroll
+    for (int m = 0; m < SB; ++m)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int f = 2 * (m % 2) + i;
+        w[m][k][i] = half2_bits(weight(k, 0, m / 2, f) * inv[0], weight(k, 1, m / 2, f) * inv[1]);
+        w[m][k][2 + i] = half2_bits(weight(k, 2, m / 2, f) * inv[2], weight(k, 3, m / 2, f) * inv[3]);
+      }
+  }
+  for (int e = tid; e < 8 * LDG; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
+  for (int e = tid; e < 8; e += kThreads) gscale_s[e] = 0.0f;
+  for (int e = tid; e < g.bs * R; e += kThreads) dg_s[e] = 0.0f;  // units past hv stay 0
+  load_lengths(lens, a.lengths, g, blk);
+  GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
+  const int smax = finish_setup(bar, lens, g.bs);
+
+  // Owner o's line l of source q, sample b, in buffer `parity`: lines(parity) + ((o * bs + b) * NC + q) * LQ + l.
+  auto lines = [&](int parity) {
+    return reinterpret_cast<uint4*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * NC * g.bs * NC * LQ;
+  };
+  // dh of step s_next - 1 for this block's units: thread q * LQ + l (warps < SB) polls line l of source q of each
+  // sample running at s_next, the first loads of all of them in flight together; once a sample's line had to be
+  // loaded again, the later samples' are loaded again too, together (their first loads are as old: polled one
+  // after the other, each took a trip to L2 of its own). The warp's 8 sources are summed by a butterfly over
+  // the lanes of a quad column (the same order in every lane), the warps' sums to part_s ([warp][b][U]).
+  auto gather = [&](int parity, int s_next) {
+    if (warp < SB) {
+      const unsigned tag = scatter_tag(s_next);
+      const uint4* in = lines(parity) + static_cast<int64_t>(blk.rank) * g.bs * NC * LQ + tid;
+      uint4 v[kHalfScatterMaxSamples];
+      auto runs = [&](int b) { return b < bv && s_next < lens[b]; };
+#pragma unroll
+      for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+        if (runs(b)) v[b] = load_tagged(in + b * NC * LQ);
+#pragma unroll
+      for (int b = 0; b < kHalfScatterMaxSamples; ++b) {
+        if (!runs(b)) continue;  // the same in every lane
+        if (!tagged_as(v[b], tag)) {
+          do v[b] = load_tagged(in + b * NC * LQ);
+          while (!tagged_as(v[b], tag));
+#pragma unroll
+          for (int c = b + 1; c < kHalfScatterMaxSamples; ++c)
+            if (runs(c)) v[c] = load_tagged(in + c * NC * LQ);
+        }
+        float4 x = untagged(v[b]);
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) {
+          x.x += __shfl_xor_sync(0xffffffffu, x.x, off), x.y += __shfl_xor_sync(0xffffffffu, x.y, off);
+          x.z += __shfl_xor_sync(0xffffffffu, x.z, off), x.w += __shfl_xor_sync(0xffffffffu, x.w, off);
+        }
+        if (gr == 0) *reinterpret_cast<float4*>(part_s + (warp * g.bs + b) * U + 4 * t) = x;
+      }
+    }
+    __syncthreads();
+  };
+  auto sum_of = [&](int b, int j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SB; ++q) v += part_s[(q * g.bs + b) * U + j];
+    return v;
+  };
+  // This block's partials of the samples running at s to their owners: the gate gradients times their rows'
+  // scales, in fp16 over fp16_scale of their largest (a warp per sample), the MMAs, the sums times that scale.
+  auto scatter = [&](int cur, int s) {
+    for (int b = warp; b < bv; b += kWarps) {
+      if (s >= lens[b]) continue;
+      const bool two = 2 * lane < R;
+      const float v0 = two ? dg_s[b * R + 2 * lane] * wscale_s[2 * lane] : 0.0f;
+      const float v1 = two ? dg_s[b * R + 2 * lane + 1] * wscale_s[2 * lane + 1] : 0.0f;
+      float m = fmaxf(fabsf(v0), fabsf(v1));
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float2 scale = fp16_scale(m);  // (scale, 1 / scale)
+      if (two) *reinterpret_cast<uint32_t*>(gg_s + b * LDG + 2 * lane) = half2_bits(v0 * scale.y, v1 * scale.y);
+      if (lane == 0) gscale_s[b] = scale.x;
+    }
+    __syncthreads();
+    float acc[SB][4];
+#pragma unroll
+    for (int m = 0; m < SB; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+    uint2 x[G];
+#pragma unroll
+    for (int k = 0; k < G; ++k) x[k] = *reinterpret_cast<const uint2*>(gg_s + gr * LDG + k * U + 4 * t);
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+#pragma unroll
+      for (int m = 0; m < SB; ++m) mma_f16(acc[m], w[m][k], x[k].x, x[k].y);
+    // C: rows gr (+ 8), samples 2t (+ 1): lane (gr, t) holds columns 32p + 4gr .. + 3 of sample 2t + i, units
+    // 4 (gr % 4) .. of owner warp * SB + 2p + gr / 4.
+    const unsigned tag = scatter_tag(s);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int b = 2 * t + i;
+      if (b >= bv || s >= lens[b]) continue;
+      const float sc = gscale_s[b];
+      uint4* out = lines(cur) + (static_cast<int64_t>(warp * SB + gr / 4) * g.bs + b) * NC * LQ + blk.rank * LQ + gr % 4;
+#pragma unroll
+      for (int p = 0; p < SB / 2; ++p)
+        store_line(out + static_cast<int64_t>(2 * p) * g.bs * NC * LQ, with_tag(acc[2 * p][i] * sc, tag),
+                   with_tag(acc[2 * p][2 + i] * sc, tag), with_tag(acc[2 * p + 1][i] * sc, tag),
+                   with_tag(acc[2 * p + 1][2 + i] * sc, tag));
+    }
+  };
+  // One (sample, unit) pair a thread: at most 4 samples of 16 units.
+  grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, scatter);
+#endif
+}
+
 // The forward's kernel for a cell and (m-tiles, k-steps): 1 or 2; 8, 12 or 16.
 #define VLSEQ_RNN_GRID_TF32_FWD_TABLE(NAME, KERNEL)                                              \
   const void* NAME(Cell c, int mt, int k) {                                                      \
@@ -669,7 +909,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   if (mt == 3) return reinterpret_cast<const void*>(&KERNEL<CELL, 3, 8, T>);           \
   if (k == 6) return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 6, T>);            \
   return reinterpret_cast<const void*>(&KERNEL<CELL, 4, 8, T>);
-// The 16-bit backward's for a cell and source blocks a warp (4, 6 or 8).
+// The 16-bit backwards' (all-gather, reduce-scatter) for a cell and source blocks a warp (4, 6 or 8).
 #define VLSEQ_RNN_GRID_HALF_BWD_TABLE(NAME, KERNEL)                     \
   const void* NAME(Cell c, int sb) {                                    \
     if (c == Cell::kLSTM) { VLSEQ_RNN_GRID_HALF_BWD_CASES(KERNEL, Cell::kLSTM) } \
