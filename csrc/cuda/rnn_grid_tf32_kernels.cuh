@@ -792,29 +792,31 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_ke
     return reinterpret_cast<uint4*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * NC * g.bs * NC * LQ;
   };
   // dh of step s_next - 1 for this block's units: thread q * LQ + l (warps < SB) polls line l of source q of each
-  // sample running at s_next, the first loads of all of them in flight together; once a sample's line had to be
-  // loaded again, the later samples' are loaded again too, together (their first loads are as old: polled one
-  // after the other, each took a trip to L2 of its own). The warp's 8 sources are summed by a butterfly over
-  // the lanes of a quad column (the same order in every lane), the warps' sums to part_s ([warp][b][U]).
+  // sample running at s_next, in rounds: each round loads the lines not yet tagged again, together (one trip to
+  // L2 a round for all of them; polled one after the other, each took trips of its own, and a step at 2-4
+  // samples a group measured 25-42% longer). Then the warp's 8 sources are summed by a butterfly over the lanes
+  // of a quad column (the same order in every lane), the warps' sums to part_s ([warp][b][U]).
   auto gather = [&](int parity, int s_next) {
     if (warp < SB) {
       const unsigned tag = scatter_tag(s_next);
       const uint4* in = lines(parity) + static_cast<int64_t>(blk.rank) * g.bs * NC * LQ + tid;
       uint4 v[kHalfScatterMaxSamples];
-      auto runs = [&](int b) { return b < bv && s_next < lens[b]; };
+      unsigned pending = 0;  // bit b: sample b's line not yet tagged
 #pragma unroll
       for (int b = 0; b < kHalfScatterMaxSamples; ++b)
-        if (runs(b)) v[b] = load_tagged(in + b * NC * LQ);
+        if (b < bv && s_next < lens[b]) v[b] = load_tagged(in + b * NC * LQ), pending |= 1u << b;
+      for (;;) {
+#pragma unroll
+        for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+          if ((pending >> b & 1u) && tagged_as(v[b], tag)) pending &= ~(1u << b);
+        if (!pending) break;
+#pragma unroll
+        for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+          if (pending >> b & 1u) v[b] = load_tagged(in + b * NC * LQ);
+      }
 #pragma unroll
       for (int b = 0; b < kHalfScatterMaxSamples; ++b) {
-        if (!runs(b)) continue;  // the same in every lane
-        if (!tagged_as(v[b], tag)) {
-          do v[b] = load_tagged(in + b * NC * LQ);
-          while (!tagged_as(v[b], tag));
-#pragma unroll
-          for (int c = b + 1; c < kHalfScatterMaxSamples; ++c)
-            if (runs(c)) v[c] = load_tagged(in + c * NC * LQ);
-        }
+        if (b >= bv || s_next >= lens[b]) continue;  // the same in every lane
         float4 x = untagged(v[b]);
 #pragma unroll
         for (int off = 4; off < 32; off *= 2) {
