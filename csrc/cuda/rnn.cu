@@ -177,7 +177,10 @@ double half_backward_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
   return std::max(mmas, intake) + 2500.0;
 }
 // By reduce-scatter in tagged lines (half_backward_scatter): its MMAs (the same count) and polls as the tagged
-// forward's, one after the other: ~500 and ~320 for each 16K lines polled a step.
+// forward's, one after the other: ~500 and ~320 for each 16K lines polled a step. It ranks the kernel first
+// where it measured fastest: LSTM 1024 on 64 blocks, 4,281 / 4,731 / 5,291 clocks a step at 1 / 2 / 4 samples a
+// group against the all-gather's 5,947-6,196 and the fp32 register backward's 6,136 at one (BENCHMARKS.md,
+// thirty-fifth session).
 double half_scatter_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
   const double polls = static_cast<double>(half_backward_scatter_lines(nc, bs)) * 320.0 / 16384.0;
   return 11.0 * sh.sb * G * ceil_div(bs, 8) + 500.0 + polls;
@@ -348,7 +351,8 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
 // on 64 blocks: 11,328 clocks, against 16,235 for 32 on 128; 2 groups of 1: 5,979 against ~6,600), but
 // the same at one (5,992 against 5,936), where the fp32 kernel keeps fp32 (BENCHMARKS.md, twenty-sixth
 // session). `min_batch`: 1 where no other backward fits the SMs given (grid_plan). Up to 4 samples a group
-// (half_backward_scatter) the reduce-scatter kernel runs instead, at any batch.
+// (half_backward_scatter) the reduce-scatter kernel runs instead, at any batch, one sample included: 4,281
+// clocks a step at one sample of LSTM 1024, where the fp32 kernel took 6,136 (thirty-fifth session).
 constexpr int kHalfBwdMinBatch = 2;
 void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p, int device, LaunchPlan& backward,
                         double clocks, int min_batch = kHalfBwdMinBatch) {

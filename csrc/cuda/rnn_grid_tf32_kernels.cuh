@@ -189,7 +189,9 @@ inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups)
 // backward's step at one sample (LSTM 1024, 64 blocks) was staging + MMAs 2,625 clocks and the barrier's arrive
 // and wait ~1,950 of 5,950; its gate gradients in tagged lines measured slower (69,632 lines polled a step,
 // BENCHMARKS.md, thirty-fourth session). Here a step polls nc * nc * 4 lines a sample, 16,384 at LSTM 1024:
-// what the 16-bit forward polls at one sample (its poll phase ~1,000 clocks).
+// what the 16-bit forward polls at one sample (its poll phase ~1,000 clocks). Measured on one H100 (LSTM 1024,
+// 64 blocks a group): 4,281 / 4,731 / 5,291 clocks a step at 1 / 2 / 4 samples a group, against the all-gather's
+// 5,947 / 5,954 / 6,196 (BENCHMARKS.md, thirty-fifth session).
 constexpr int kHalfScatterMaxSamples = 4;
 constexpr int64_t kHalfScatterMaxLines = 65536;
 inline int64_t half_backward_scatter_lines(int nc, int bs) {
