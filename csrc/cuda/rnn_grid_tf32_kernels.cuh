@@ -796,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_ke
   // dh of step s_next - 1 for this block's units: thread q * LQ + l (warps < SB) polls line l of source q of each
   // sample running at s_next, in rounds: each round loads the lines not yet tagged again, together (one trip to
   // L2 a round for all of them; polled one after the other, each took trips of its own, and a step at 2-4
-  // samples a group measured 25-42% longer). Then the warp's 8 sources are summed by a butterfly over the lanes
+  // samples a group measured 21-73% longer). Then the warp's 8 sources are summed by a butterfly over the lanes
   // of a quad column (the same order in every lane), the warps' sums to part_s ([warp][b][U]).
   auto gather = [&](int parity, int s_next) {
     if (warp < SB) {
