@@ -276,6 +276,32 @@ __device__ __forceinline__ float fp16_scale_inverse(float scale) {
   return __uint_as_float((254u - (__float_as_uint(scale) >> 23)) << 23);
 }
 
+// A 16-bit backward's shared memory (GridHalfBwdSmem, GridHalfScatterSmem: the same fields) as pointers: the gate
+// gradients in fp16, their scales, the warps' sums, W_hh's scales, the cells' gate gradients ([b][R]: gate k of
+// unit j at k * 16 + j), the lengths.
+struct HalfBwdShared {
+  __half* gg;
+  float *gscale, *part, *wscale, *dg;
+  int* lens;
+};
+template <typename Layout>
+__device__ __forceinline__ HalfBwdShared half_backward_shared(unsigned char* smem, const Layout& lay) {
+  return {reinterpret_cast<__half*>(smem + lay.gg), reinterpret_cast<float*>(smem + lay.gscale),
+          reinterpret_cast<float*>(smem + lay.part), reinterpret_cast<float*>(smem + lay.wscale),
+          reinterpret_cast<float*>(smem + lay.dg),   reinterpret_cast<int*>(smem + lay.lens)};
+}
+// The 16-bit backwards' scales of n columns or rows of W_hh: fp16_scale of their largest |w|, the warps' maxima
+// (part_s: [warp][n], written before the call) combined; a __syncthreads before and after.
+__device__ __forceinline__ void scales_from_warps(const float* part_s, int n, float* scale_s) {
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < n) {
+    float mm = 0.0f;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, part_s[w * n + threadIdx.x]);
+    scale_s[threadIdx.x] = fp16_scale(mm).x;
+  }
+  __syncthreads();
+}
+
 // Whether any of samples n0 .. n0 + 7 runs at step s (the same answer in every lane).
 __device__ __forceinline__ bool tile_runs(const int* lens, int n0, int bv, int s) {
   const int lane = threadIdx.x % 32;
@@ -506,12 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   extern __shared__ __align__(16) unsigned char smem[];
   const GridHalfBwdSmem lay(g, G);  // (its ldk: LDK)
   const int ldp = lay.ldp;
-  __half* gg_s = reinterpret_cast<__half*>(smem + lay.gg);
-  float* gscale_s = reinterpret_cast<float*>(smem + lay.gscale);
-  float* part_s = reinterpret_cast<float*>(smem + lay.part);
-  float* wscale_s = reinterpret_cast<float*>(smem + lay.wscale);
-  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][R]: gate k of unit j at k * U + j
-  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const auto [gg_s, gscale_s, part_s, wscale_s, dg_s, lens] = half_backward_shared(smem, lay);
 
   // Column j0 + u's scale, fp16_scale of its largest |w| over the G * H rows (of 0 past the block's units).
   // Each lane reads the weights its A fragments take (below; together they cover every row < G * H), 128
@@ -536,13 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       if (t == 0) part_s[warp * U + u] = m;
     }
-    __syncthreads();
-    if (tid < U) {
-      float mm = 0.0f;
-      for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, part_s[w * U + tid]);
-      wscale_s[tid] = fp16_scale(mm).x;
-    }
-    __syncthreads();
+    scales_from_warps(part_s, U, wscale_s);
   }
   // A fragments: w[i][k] = W_hh^T of units gr (+ 8) and the rows of gate k of source block q = warp * SB + i,
   // units q * U + 4t .. + 3 (permuted as above; zero past H or the block's units), over the column's scale.
@@ -727,12 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_ke
 
   extern __shared__ __align__(16) unsigned char smem[];
   const GridHalfScatterSmem lay(g, G);  // (its ldg: LDG)
-  __half* gg_s = reinterpret_cast<__half*>(smem + lay.gg);
-  float* gscale_s = reinterpret_cast<float*>(smem + lay.gscale);
-  float* part_s = reinterpret_cast<float*>(smem + lay.part);
-  float* wscale_s = reinterpret_cast<float*>(smem + lay.wscale);
-  float* dg_s = reinterpret_cast<float*>(smem + lay.dg);  // [b][R]: gate k of unit j at k * U + j
-  int* lens = reinterpret_cast<int*>(smem + lay.lens);
+  const auto [gg_s, gscale_s, part_s, wscale_s, dg_s, lens] = half_backward_shared(smem, lay);
 
   // This lane's weights: rows k * H + j0 + 4t + e (gate k, unit 4t + e; none past the block's units) at columns
   // warp * KW + 32p + 4gr + f (none past H).
@@ -757,13 +767,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_ke
         for (int off = 4; off < 32; off *= 2) m[k][e] = fmaxf(m[k][e], __shfl_xor_sync(0xffffffffu, m[k][e], off));
         if (gr == 0) part_s[warp * R + k * U + 4 * t + e] = m[k][e];
       }
-    __syncthreads();
-    if (tid < R) {
-      float mm = 0.0f;
-      for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, part_s[w * R + tid]);
-      wscale_s[tid] = fp16_scale(mm).x;
-    }
-    __syncthreads();
+    scales_from_warps(part_s, R, wscale_s);
   }
   // A fragments: w[m][k] of m-tile m = 2p + h, gate k: rows gr (+ 8) are columns 32p + 4gr + 2h (+ 1), slots 2t,
   // 2t + 1 (2t + 8, 2t + 9) units 4t, 4t + 1 (4t + 2, 4t + 3); each weight over its row's scale (exact).
