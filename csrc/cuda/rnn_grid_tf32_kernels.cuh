@@ -705,7 +705,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
 
 // The tagged words of the reduce-scatter backward: a step's tag (1 or 2: two buffers by step parity, so the
 // value a word held before, two steps earlier, carries the other tag, and the zeroed buffer neither) in the 2
-// low bits of an fp32 partial.
+// low bits of an fp32 partial. A partial that overflowed to infinity arrives as a NaN (the tag makes its
+// mantissa nonzero); a NaN stays a NaN.
 __device__ __forceinline__ unsigned scatter_tag(int s) { return ((s >> 1) & 1) + 1; }
 __device__ __forceinline__ unsigned with_tag(float v, unsigned tag) { return (__float_as_uint(v) & ~3u) | tag; }
 __device__ __forceinline__ bool tagged_as(const uint4& v, unsigned tag) {
