@@ -587,7 +587,7 @@ def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
 @pytest.mark.parametrize("lens", [LENS32, LENS32[:8]])
 def test_op_16_bit_kernels_scale_rows_and_columns(rand, lens):
     """The 16-bit forward scales each row of W_hh by a power of 2 of its own, the 16-bit backward each
-    column (at 8 samples, 4 a group, the reduce-scatter backward each row, as the forward): rows of weights
+    column (at 8 samples, 4 a group, the reduce-scatter backward scales each row, as the forward): rows of weights
     past fp16's
     range (up to ~4e5: unscaled they would be infinite, and their sums NaN), rows of ~1e-7 (below its
     normal range), of ~1e-36 (whose scale would be below fp32's normal range) and of zeros, beside ordinary
