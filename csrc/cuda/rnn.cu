@@ -160,14 +160,17 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
 // whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500, and
-// ~320 for each 16K lines polled a step (half_forward_tagged_lines; 16K: a sample of LSTM 1024 on 64 blocks,
+// ~320 for each 16K lines polled a step (tagged_poll_clocks; 16K: a sample of LSTM 1024 on 64 blocks,
 // which measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4 samples against 4,990-5,154 with the
 // barrier: BENCHMARKS.md, thirty-third session).
+// The tagged exchange's clocks a step in place of a barrier's: ~500, and ~320 for each 16K lines polled.
+double tagged_poll_clocks(int nc, int hs, int bs) {
+  return 500.0 + static_cast<double>(tagged_lines_polled(nc, hs, bs)) * 320.0 / 16384.0;
+}
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int nc, int hs, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
-  const double polls = static_cast<double>(half_forward_tagged_lines(nc, hs, bs)) * 320.0 / 16384.0;
-  return std::max(mmas, intake) + (half_forward_tagged(nc, hs, bs) ? 500.0 + polls : 2500.0);
+  return std::max(mmas, intake) + (half_forward_tagged(nc, hs, bs) ? tagged_poll_clocks(nc, hs, bs) : 2500.0);
 }
 // The backward with W_hh and the gate gradients in 16 bits: as the forward's, its MMAs (sb * G a warp and
 // tile of samples) or its staging of the group's gate gradients (G * 16 * nc halves a sample).
@@ -177,13 +180,12 @@ double half_backward_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
   return std::max(mmas, intake) + 2500.0;
 }
 // By reduce-scatter in tagged lines (half_backward_scatter): its MMAs (the same count) and polls as the tagged
-// forward's, one after the other: ~500 and ~320 for each 16K lines polled a step. It ranks the kernel first
+// forward's (tagged_poll_clocks), one after the other. It ranks the kernel first
 // where it measured fastest: LSTM 1024 on 64 blocks, 4,281 / 4,731 / 5,291 clocks a step at 1 / 2 / 4 samples a
 // group against the all-gather's 5,947-6,196 and the fp32 register backward's 6,136 at one (BENCHMARKS.md,
 // thirty-fifth session).
 double half_scatter_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
-  const double polls = static_cast<double>(half_backward_scatter_lines(nc, bs)) * 320.0 / 16384.0;
-  return 11.0 * sh.sb * G * ceil_div(bs, 8) + 500.0 + polls;
+  return 11.0 * sh.sb * G * ceil_div(bs, 8) + tagged_poll_clocks(nc, kHalfBwdUnits, bs);
 }
 
 struct Cost {

@@ -106,12 +106,14 @@ struct GridHalfFwdSmem {
 // taken only where it measured faster: up to 4 samples, 64 blocks and 64K lines.
 constexpr int kHalfFwdTaggedMaxSamples = 4, kHalfFwdTaggedMaxBlocks = 64;
 constexpr int64_t kHalfFwdTaggedMaxLines = 65536;
-inline int64_t half_forward_tagged_lines(int nc, int hs, int bs) {
+// The lines a group polls a step where each of its nc blocks polls, for each of bs samples, ceil(hs / 4) lines
+// from every block (the tagged forward's h, the reduce-scatter backward's partial dh below).
+inline int64_t tagged_lines_polled(int nc, int hs, int bs) {
   return static_cast<int64_t>(nc) * nc * bs * ceil_div(hs, 4);
 }
 inline bool half_forward_tagged(int nc, int hs, int bs) {
   return bs <= kHalfFwdTaggedMaxSamples && nc <= kHalfFwdTaggedMaxBlocks &&
-         half_forward_tagged_lines(nc, hs, bs) <= kHalfFwdTaggedMaxLines;
+         tagged_lines_polled(nc, hs, bs) <= kHalfFwdTaggedMaxLines;
 }
 // Its exchange, in floats: [2][groups][bs][round_up(H, 8)] halves; tagged, the lines
 // [2][groups][bs][nc][ceil(hs / 4)] of 4 floats' bytes each (4 fp16 h and two tags).
@@ -194,11 +196,8 @@ inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups)
 // 5,947 / 5,954 / 6,196 (BENCHMARKS.md, thirty-fifth session).
 constexpr int kHalfScatterMaxSamples = 4;
 constexpr int64_t kHalfScatterMaxLines = 65536;
-inline int64_t half_backward_scatter_lines(int nc, int bs) {
-  return static_cast<int64_t>(nc) * nc * bs * (kHalfBwdUnits / 4);
-}
 inline bool half_backward_scatter(int nc, int bs) {
-  return bs <= kHalfScatterMaxSamples && half_backward_scatter_lines(nc, bs) <= kHalfScatterMaxLines;
+  return bs <= kHalfScatterMaxSamples && tagged_lines_polled(nc, kHalfBwdUnits, bs) <= kHalfScatterMaxLines;
 }
 // Its exchange, in floats: the lines [2][groups][nc owners][bs][nc sources][4] of 4 floats' bytes each.
 inline int64_t grid_half_scatter_exchange(const Geometry& g, int groups) {
