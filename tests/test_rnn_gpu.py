@@ -34,7 +34,6 @@ HALF_BACKWARD = "W_hh and the gate gradients in 16 bits, fp16 products on the te
 HALF_BOTH = "W_hh, h and the gate gradients in 16 bits, fp16 products on the tensor cores (forward and backward)"
 TAGGED = "h passed in tagged lines, no barrier a step (forward)"
 SCATTER = "partial dh passed in tagged lines, no barrier a step (backward)"
-SCATTER_BARRIER = "partial dh by reduce-scatter (backward)"  # 5-16 samples a group: a barrier a step
 LENS32 = [30, 1, 17, 17, 0, 30, 3, 25, 1, 9, 30, 17, 2, 29, 12, 6] * 2
 
 
@@ -522,27 +521,25 @@ def test_tf32_mode_tolerance(rand):
 
 @pytest.mark.parametrize("cell,H,lens,reverse,layout,kernels,max_blocks", [
     # both directions in 16 bits on 2 groups of 64 blocks
-    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples per block",
-     (HALF_BOTH, SCATTER_BARRIER), 0),
-    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples per block",
-     (HALF_BOTH, SCATTER_BARRIER), 0),
+    ("lstm", 1024, LENS32, False, "grid 64 blocks x 2 groups, 16 units and 16 samples per block", (HALF_BOTH,), 0),
+    ("gru", 1024, LENS32, True, "grid 64 blocks x 2 groups, 16 units and 16 samples per block", (HALF_BOTH,), 0),
     # the second tile of 8 samples: all of them ended after a few steps
     ("lstm", 1024, [30, 12, 30, 7, 25, 30, 1, 19, 30, 30, 4, 16, 30, 2, 8, 30, 3, 0, 5, 1], True,
-     "grid 64 blocks x 2 groups, 16 units and 10 samples per block", (HALF_BOTH, SCATTER_BARRIER), 0),
+     "grid 64 blocks x 2 groups, 16 units and 10 samples per block", (HALF_BOTH,), 0),
     # the forward in one group (fewer than 8 samples in each of two), 3 m-tiles, its last block 2 units of
     # 9; the backward's 63 blocks of units rounded up to 64 (the last holds none, the one before 9 units),
     # one tile of samples
     ("lstm", 1001, [30, 4, 17, 1, 30, 9, 0, 22, 13, 30, 2, 8], True, "grid 112 blocks x 1 groups, 9 units",
-     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 6 samples", HALF_BACKWARD, SCATTER_BARRIER), 0),
+     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 6 samples", HALF_BACKWARD), 0),
     ("gru", 1000, [30, 4, 0, 17, 1, 30, 22, 11, 30], False, "grid 91 blocks x 1 groups, 11 units",
-     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 5 samples", HALF_BACKWARD, SCATTER_BARRIER), 0),
+     (HALF_FORWARD, "backward: grid 64 blocks x 2 groups, 16 units and 5 samples", HALF_BACKWARD), 0),
     # 48 blocks (6 source blocks a warp), 4 of them past H, the last real one 12 units
     ("gru", 700, [30, 4, 0, 17, 1, 30, 22, 11, 30, 5, 30, 2, 19, 30], True, "grid",
-     ("backward: grid 48 blocks x 2 groups, 16 units and 7 samples", HALF_BACKWARD, SCATTER_BARRIER), 0),
+     ("backward: grid 48 blocks x 2 groups, 16 units and 7 samples", HALF_BACKWARD), 0),
     # 32 blocks (4 source blocks a warp); no 16-bit forward below hidden 615
     ("lstm", 512, [30, 1, 0, 22, 30, 9, 14, 3, 30, 8, 11], False, "grid",
      ("TF32 products on the tensor cores (forward)", "backward: grid 32 blocks x 2 groups, 16 units and 6 samples",
-      HALF_BACKWARD, SCATTER_BARRIER), 64),
+      HALF_BACKWARD), 64),
     # fewer than 8 samples: the 16-bit forward with tagged lines on 63 blocks (on more, 9-15 units each, its
     # polls cost more than the barrier), two groups of 2 and 1 samples, as the backward's, by reduce-scatter
     # (its 64th block holds no unit)
@@ -583,7 +580,7 @@ def test_op_16_bit_kernels_alone_within_half_the_gpu(rand, cell, lens):
     assert ops.rnn_plan(cell, 1024, 17, "tf32", DEV, max_blocks=half) == ""
     plan = ops.rnn_plan(cell, 1024, len(lens), "tf32", DEV, max_blocks=half)
     assert plan.startswith("grid") and concurrency._blocks(plan) <= half and "x 2 groups" not in plan, plan
-    assert both_in_16_bits(plan) and (SCATTER in plan) == (len(lens) <= 4) == (SCATTER_BARRIER not in plan), plan
+    assert both_in_16_bits(plan) and (SCATTER in plan) == (len(lens) <= 4), plan
     compare_ops_with_cpu(rand, cell, lens, 30, 1024, cell == "gru", weights="tf32", max_blocks=half, tol=TF32_OP_TOL)
 
 
@@ -602,7 +599,6 @@ def test_op_16_bit_kernels_scale_rows_and_columns(rand, lens):
     H, cols = 1024, [2, 100, 513, 1000]  # units whose output gate's row is not one of the huge rows
     plan = ops.rnn_plan("lstm", H, len(lens), "tf32", DEV)
     assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan and (SCATTER in plan) == (len(lens) == 8), plan
-    assert (SCATTER_BARRIER in plan) == (len(lens) == 32), plan
 
     def rows_and_columns_apart(xp, w, b, h0):
         huge = torch.arange(0, 4 * H, 7)
@@ -632,7 +628,6 @@ def test_op_backward_in_16_bits_scales_each_sample(rand, lens):
     H = 1024
     plan = ops.rnn_plan("lstm", H, len(lens), "tf32", DEV)
     assert plan.startswith("grid 64 blocks x 2") and HALF_BOTH in plan and (SCATTER in plan) == (len(lens) == 8), plan
-    assert (SCATTER_BARRIER in plan) == (len(lens) == 32), plan
 
     def samples_apart(dy, dh_n, dc_n):
         scale = torch.tensor([1e-30, 1.0, 1e25, 1e-12] * (len(lens) // 4), dtype=dy.dtype)

@@ -38,7 +38,6 @@ VLSEQ_RNN_GRID_TF32_FWD_TABLE(grid_forward_tf32_kernel, rnn_forward_grid_tf32_ke
 VLSEQ_RNN_GRID_HALF_FWD_TABLE(grid_forward_half_kernel, rnn_forward_grid_half_kernel)
 VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_kernel, rnn_backward_grid_half_kernel)
 VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_scatter_kernel, rnn_backward_grid_half_scatter_kernel)
-VLSEQ_RNN_GRID_HALF_BWD_TABLE(grid_backward_half_scatter_barrier_kernel, rnn_backward_grid_half_scatter_barrier_kernel)
 }  // namespace vlseq::rnn
 
 // The SM clock's rate: clock64 against the global timer (ns) over a ~2 ms spin of one thread.
@@ -271,18 +270,6 @@ int main(int argc, char** argv) {
         launch(grid_backward_half_scatter_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfScatterSmem(hg, G).total, true,
                arrivals, groups, sx, sbytes);
         report(1, 6, T, gbs);
-        cudaFree(sx);
-      }
-      {  // by reduce-scatter with a barrier a step (up to 16 samples a group)
-        printf(" the same by reduce-scatter, partial dh in lines, a barrier a step:\n");
-        const size_t sbytes = grid_half_scatter_exchange(hg, groups) * 4;
-        float* sx;
-        cudaMalloc(&sx, sbytes);
-        hb.xchg = sx;
-        static const char* gbb[] = {"lines+sum+sync", "cell+sync", "mma+lines", "arrive", "stores+prefetch", "wait"};
-        launch(grid_backward_half_scatter_barrier_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfScatterSmem(hg, G).total,
-               true, arrivals, groups);
-        report(1, 6, T, gbb);
         cudaFree(sx);
       }
     }

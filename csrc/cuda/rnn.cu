@@ -187,14 +187,6 @@ double half_backward_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
 double half_scatter_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
   return 11.0 * sh.sb * G * ceil_div(bs, 8) + tagged_poll_clocks(nc, kHalfBwdUnits, bs);
 }
-// By reduce-scatter with a barrier a step (more samples a group): as the all-gather's, with each SM's intake its
-// units' fp32 partials from every source (16 * 4 bytes a source and sample) in place of every gate gradient
-// (G * 16 * 2). UNMEASURED.
-double half_scatter_barrier_clocks(const GridHalfBwdShape& sh, int G, int nc, int bs) {
-  const double mmas = 11.0 * sh.sb * G * ceil_div(bs, 8);
-  const double intake = static_cast<double>(bs) * nc * kHalfBwdUnits * 4.0 / 42.0;
-  return std::max(mmas, intake) + 2500.0;
-}
 
 struct Cost {
   double clocks = 0;
@@ -354,14 +346,6 @@ void half_forward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& p
   }
 }
 
-// The 16-bit backward's kernel: the all-gather, or by reduce-scatter (in tagged lines where they run, else with a
-// barrier a step).
-const void* half_backward_kernel(Cell cell, int sb, int nc, int bs, bool scatter) {
-  if (!scatter) return grid_backward_half_kernel(cell, sb);
-  return half_backward_scatter(nc, bs) ? grid_backward_half_scatter_kernel(cell, sb)
-                                       : grid_backward_half_scatter_barrier_kernel(cell, sb);
-}
-
 // The backward with W_hh and the gate gradients in 16 bits on a layout of its own, where its estimate beats
 // `clocks`, the chosen backward's: 16 units a block on 32, 48 or 64 blocks, as many groups as the SMs hold,
 // at most kHalfBwdMaxSamples samples each, from 2 samples on. Its step measured 30-32% shorter than the TF32
@@ -377,24 +361,18 @@ void half_backward_plan(Cell cell, int H, int B, int sms, const cudaDeviceProp& 
   const int G = num_gates(cell), nc = grid_half_backward_blocks(H);
   if (nc == 0 || nc > sms) return;
   const int bs = ceil_div(B, std::min(sms / nc, B)), groups = ceil_div(B, bs);
-  const bool tagged = half_backward_scatter(nc, bs);
-  if (B < min_batch && !tagged) return;
+  const bool scatter = half_backward_scatter(nc, bs);
+  if (B < min_batch && !scatter) return;
   const GridHalfBwdShape sh(kHalfBwdUnits, nc, bs);
   if (sh.sb == 0) return;
   const Geometry g{B, 1, H, nc, kHalfBwdUnits, bs, bs, Sync::kGrid, 0};
-  // The kernels that hold the shape, with their estimates: tagged lines where they run, else the all-gather or
-  // the reduce-scatter with a barrier.
-  const bool scatter = tagged || half_scatter_barrier_clocks(sh, G, nc, bs) < half_backward_clocks(sh, G, nc, bs);
   const int64_t smem = scatter ? GridHalfScatterSmem(g, G).total : GridHalfBwdSmem(g, G).total;
   if (smem > static_cast<int64_t>(p.sharedMemPerBlockOptin)) return;
-  const void* kernel = half_backward_kernel(cell, sh.sb, nc, bs, scatter);
+  const void* kernel = scatter ? grid_backward_half_scatter_kernel(cell, sh.sb) : grid_backward_half_kernel(cell, sh.sb);
   prepare(kernel, device, p.sharedMemPerBlockOptin);
-  const double c = tagged    ? half_scatter_clocks(sh, G, nc, bs)
-                   : scatter ? half_scatter_barrier_clocks(sh, G, nc, bs)
-                             : half_backward_clocks(sh, G, nc, bs);
+  const double c = scatter ? half_scatter_clocks(sh, G, nc, bs) : half_backward_clocks(sh, G, nc, bs);
   if (resident_groups(kernel, Sync::kGrid, nc, smem, p) < groups || c >= clocks) return;
   backward = half_launch(nc, kHalfBwdUnits, bs, groups, smem);
-  backward.scatter = scatter;
 }
 
 // The grid plan (W_hh over more than 16 blocks, rnn_grid_kernels.cuh): every group resident at once
@@ -490,7 +468,9 @@ const void* half_forward_kernel(const LaunchPlan& plan, const Sizes& z) {
   return grid_forward_half_kernel(z.cell, sh.mt, sh.ks, half_forward_tagged(plan.nc, plan.hs, plan.bs));
 }
 const void* half_backward_kernel(const LaunchPlan& plan, const Sizes& z) {
-  return half_backward_kernel(z.cell, GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb, plan.nc, plan.bs, plan.scatter);
+  const int sb = GridHalfBwdShape(plan.hs, plan.nc, plan.bs).sb;
+  return half_backward_scatter(plan.nc, plan.bs) ? grid_backward_half_scatter_kernel(z.cell, sb)
+                                                 : grid_backward_half_kernel(z.cell, sb);
 }
 
 template <typename Args>
@@ -557,9 +537,7 @@ std::string grid_kernels_text(const LaunchPlan* f, const LaunchPlan* b) {
     s += std::string(fhalf && bhalf ? ", W_hh, h and the gate gradients" : fhalf ? ", W_hh and h" : ", W_hh and the gate gradients") +
          " in 16 bits, fp16 products on the tensor cores" + which(fhalf, bhalf);
   if (fhalf && half_forward_tagged(f->nc, f->hs, f->bs)) s += ", h passed in tagged lines, no barrier a step (forward)";
-  if (bhalf && b->scatter)
-    s += half_backward_scatter(b->nc, b->bs) ? ", partial dh passed in tagged lines, no barrier a step (backward)"
-                                             : ", partial dh by reduce-scatter (backward)";
+  if (bhalf && half_backward_scatter(b->nc, b->bs)) s += ", partial dh passed in tagged lines, no barrier a step (backward)";
   if (ftf32) s += ", TF32 products on the tensor cores (forward)";
   return s;
 }
@@ -733,16 +711,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
   at::Tensor xchg, arrivals;
   if (grid) {
     // 16 bits: the groups' gate gradients and their scales (zeroed: every row read was written, but a
-    // stray NaN would poison a sum), or the reduce-scatter's lines (tagged: zeroed, no tag a step waits for;
-    // with a barrier every line read was written that step); the register backward: owner-major partials of
-    // nc * ng sources.
+    // stray NaN would poison a sum), or the reduce-scatter's tagged lines (zeroed: no tag a step waits for);
+    // the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
-    if (plan.half && plan.scatter) {
-      const int64_t n = grid_half_scatter_exchange(g, plan.groups);
-      xchg = half_backward_scatter(plan.nc, plan.bs) ? at::zeros({n}, opts) : at::empty({n}, opts);
-      arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
-    } else if (plan.half) {
-      xchg = at::zeros({grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)}, opts);
+    if (plan.half) {
+      xchg = at::zeros({half_backward_scatter(plan.nc, plan.bs) ? grid_half_scatter_exchange(g, plan.groups)
+                                                                 : grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)},
+                       opts);
       arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
     } else {
       xchg = at::empty({plan.fused ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)

@@ -199,23 +199,22 @@ constexpr int64_t kHalfScatterMaxLines = 65536;
 inline bool half_backward_scatter(int nc, int bs) {
   return bs <= kHalfScatterMaxSamples && tagged_lines_polled(nc, kHalfBwdUnits, bs) <= kHalfScatterMaxLines;
 }
-// Its exchange, in floats: the lines [2][groups][nc owners][bs][nc sources][4] of 4 floats' bytes each. (The
-// same with a barrier a step, rnn_backward_grid_half_scatter_barrier_kernel, up to kHalfBwdMaxSamples.)
+// Its exchange, in floats: the lines [2][groups][nc owners][bs][nc sources][4] of 4 floats' bytes each.
 inline int64_t grid_half_scatter_exchange(const Geometry& g, int groups) {
   return 2 * static_cast<int64_t>(groups) * g.nc * g.bs * g.nc * (kHalfBwdUnits / 4) * 4;
 }
 // Its shared memory: the step's gate gradients in fp16, scaled ([b][ldg], ldg = G * 16 + 16 halves: a half warp's
-// 8-byte loads of 4 samples then fall on distinct banks; a row per sample, in tiles of 8, the MMAs' N), their
-// scales, the warps' sums of the gathered partials ([warp][b][16]; in the set-up, the rows' largest weights,
-// [warp][G * 16]), the rows' scales, the cells' gate gradients ([b][G * 16]), the lengths.
+// 8-byte loads of 4 samples then fall on distinct banks; 8 rows, the MMAs' N), their scales ([8]), the warps' sums
+// of the polled partials ([warp][b][16]; in the set-up, the rows' largest weights, [warp][G * 16]), the rows'
+// scales, the cells' gate gradients ([b][G * 16]), the lengths.
 struct GridHalfScatterSmem {
   int ldg, gg, gscale, part, wscale, dg, lens, total;
   __host__ __device__ GridHalfScatterSmem(const Geometry& g, int G) {
-    const int R = G * kHalfBwdUnits, bsp = round_up(g.bs, 8);
+    const int R = G * kHalfBwdUnits;
     ldg = R + 16;
     int off = 0;
-    gg = off, off += round_up(bsp * ldg * 2, 16);
-    gscale = off, off += bsp * 4;
+    gg = off, off += round_up(8 * ldg * 2, 16);
+    gscale = off, off += 8 * 4;
     part = off, off += kWarps * (g.bs * kHalfBwdUnits > R ? g.bs * kHalfBwdUnits : R) * 4;
     wscale = off, off += R * 4;
     dg = off, off += round_up(g.bs * R * 4, 16);
@@ -229,7 +228,6 @@ const void* grid_forward_tf32_kernel(Cell c, int mt, int ks);   // rnn_grid_forw
 const void* grid_forward_half_kernel(Cell c, int mt, int ks, bool tagged);  // rnn_grid_forward_half.cu
 const void* grid_backward_half_kernel(Cell c, int sb);          // rnn_grid_backward_half.cu
 const void* grid_backward_half_scatter_kernel(Cell c, int sb);  // rnn_grid_backward_half_scatter.cu
-const void* grid_backward_half_scatter_barrier_kernel(Cell c, int sb);  // rnn_grid_backward_half_scatter_barrier.cu
 
 #if defined(__CUDACC__)
 
@@ -725,22 +723,17 @@ __device__ __forceinline__ void store_line(uint4* p, unsigned x, unsigned y, uns
 // (K: one k16-step a gate, the rows of units 4t .. 4t + 3 as slots 2t, 2t + 1, 2t + 8, 2t + 9, as the
 // all-gather kernel's) by columns w * 16 * SB ..: SB m-tiles, taken in pairs so that lane (gr, t) ends with 4
 // consecutive columns of a sample, one line: row gr + 8e of m-tile 2p + h is column 32p + 4gr + 2h + e of the
-// warp's. The samples (N) are tiles of 8. Every block sends every owner (the blocks past H too, whose units'
-// partials are zero and nobody reads) its lines for each sample running, and gathers its own.
-// - Tagged (up to kHalfScatterMaxSamples, one tile): no barrier; owners poll their lines. Safe by TaggedLines'
-//   argument (rnn_grid_kernels.cuh): a block sends step s into buffer s & 1 only after it read step s + 1's
-//   lines from every block, each sent after that block had read step s + 2's from buffer s & 1; a reader that
-//   saw step s + 2's word (or the zero) sees step s's next, never an older one.
-// - Not tagged (up to kHalfBwdMaxSamples, two tiles): the group barrier a step, as the all-gather's, between
-//   the sends and the reads; each line is read once, through L2 (ld.global.cg: L1 may hold the buffer's
-//   lines of two steps before). Each block takes in its 16 units' partials from every source, 64 KB a step
-//   at 16 samples of LSTM 1024 on 64 blocks, where the all-gather takes in every gate gradient, 128 KB.
-template <Cell C, int SB, bool Tagged>
-__device__ __forceinline__ void half_scatter_backward(const BackwardArgs& a) {
+// warp's. The samples (N) are tiles of 8 (at most 4 run). Every block sends every owner (the blocks past H
+// too, whose units' partials are zero and nobody reads) its lines for each sample running, and polls its own.
+// Safe without a barrier by TaggedLines' argument (rnn_grid_kernels.cuh): a block sends step s into buffer s & 1
+// only after it read step s + 1's lines from every block, each sent after that block had read step s + 2's from
+// buffer s & 1; a reader that saw step s + 2's word (or the zero) sees step s's next, never an older one.
+template <Cell C, int SB>
+__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_kernel(const BackwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kWarps == 8 && SB % 2 == 0, "m-tiles in pairs");
   constexpr int G = C == Cell::kLSTM ? 4 : 3, U = kHalfBwdUnits, R = G * U, NC = kWarps * SB, LQ = U / 4;
   constexpr int KW = U * SB, LDG = R + 16;  // KW: the warp's columns
-  constexpr int MAXB = Tagged ? kHalfScatterMaxSamples : kHalfBwdMaxSamples, TILES = (MAXB + 7) / 8;
   const Geometry& g = a.g;
   const int H = g.H;
   const Block blk(g);
@@ -793,9 +786,8 @@ __device__ __forceinline__ void half_scatter_backward(const BackwardArgs& a) {
         w[m][k][2 + i] = half2_bits(weight(k, 2, m / 2, f) * inv[2], weight(k, 3, m / 2, f) * inv[3]);
       }
   }
-  const int bsp = round_up(g.bs, 8);
-  for (int e = tid; e < bsp * LDG; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
-  for (int e = tid; e < bsp; e += kThreads) gscale_s[e] = 0.0f;
+  for (int e = tid; e < 8 * LDG; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
+  for (int e = tid; e < 8; e += kThreads) gscale_s[e] = 0.0f;
   for (int e = tid; e < g.bs * R; e += kThreads) dg_s[e] = 0.0f;  // units past hv stay 0
   load_lengths(lens, a.lengths, g, blk);
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
@@ -805,57 +797,39 @@ __device__ __forceinline__ void half_scatter_backward(const BackwardArgs& a) {
   auto lines = [&](int parity) {
     return reinterpret_cast<uint4*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * NC * g.bs * NC * LQ;
   };
-  // Sample b's line of this thread (source warp * 8 + gr, units 4t ..): the warp's 8 sources summed by a
-  // butterfly over the lanes of a quad column (the same order in every lane), the warp's sum to part_s
-  // ([warp][b][U]).
-  auto sum_line = [&](int b, float4 x) {
-#pragma unroll
-    for (int off = 4; off < 32; off *= 2) {
-      x.x += __shfl_xor_sync(0xffffffffu, x.x, off), x.y += __shfl_xor_sync(0xffffffffu, x.y, off);
-      x.z += __shfl_xor_sync(0xffffffffu, x.z, off), x.w += __shfl_xor_sync(0xffffffffu, x.w, off);
-    }
-    if (gr == 0) *reinterpret_cast<float4*>(part_s + (warp * g.bs + b) * U + 4 * t) = x;
-  };
-  // dh of step s_next - 1 for this block's units: thread q * LQ + l (warps < SB) takes line l of source q of each
-  // sample running at s_next. Tagged: polled in rounds, each round loading the lines not yet tagged again,
-  // together (one trip to L2 a round for all of them; polled one after the other, each took trips of its own,
-  // and a step at 2-4 samples a group measured 21-73% longer). After the barrier: loaded 8 samples at a time.
+  // dh of step s_next - 1 for this block's units: thread q * LQ + l (warps < SB) polls line l of source q of each
+  // sample running at s_next, in rounds: each round loads the lines not yet tagged again, together (one trip to
+  // L2 a round for all of them; polled one after the other, each took trips of its own, and a step at 2-4
+  // samples a group measured 21-73% longer). Then the warp's 8 sources are summed by a butterfly over the lanes
+  // of a quad column (the same order in every lane), the warps' sums to part_s ([warp][b][U]).
   auto gather = [&](int parity, int s_next) {
     if (warp < SB) {
+      const unsigned tag = scatter_tag(s_next);
       const uint4* in = lines(parity) + static_cast<int64_t>(blk.rank) * g.bs * NC * LQ + tid;
-      if constexpr (Tagged) {
-        const unsigned tag = scatter_tag(s_next);
-        uint4 v[MAXB];
-        unsigned pending = 0;  // bit b: sample b's line not yet tagged
+      uint4 v[kHalfScatterMaxSamples];
+      unsigned pending = 0;  // bit b: sample b's line not yet tagged
 #pragma unroll
-        for (int b = 0; b < MAXB; ++b)
-          if (b < bv && s_next < lens[b]) v[b] = load_tagged(in + b * NC * LQ), pending |= 1u << b;
-        for (;;) {
+      for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+        if (b < bv && s_next < lens[b]) v[b] = load_tagged(in + b * NC * LQ), pending |= 1u << b;
+      for (;;) {
 #pragma unroll
-          for (int b = 0; b < MAXB; ++b)
-            if ((pending >> b & 1u) && tagged_as(v[b], tag)) pending &= ~(1u << b);
-          if (!pending) break;
+        for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+          if ((pending >> b & 1u) && tagged_as(v[b], tag)) pending &= ~(1u << b);
+        if (!pending) break;
 #pragma unroll
-          for (int b = 0; b < MAXB; ++b)
-            if (pending >> b & 1u) v[b] = load_tagged(in + b * NC * LQ);
+        for (int b = 0; b < kHalfScatterMaxSamples; ++b)
+          if (pending >> b & 1u) v[b] = load_tagged(in + b * NC * LQ);
+      }
+#pragma unroll
+      for (int b = 0; b < kHalfScatterMaxSamples; ++b) {
+        if (b >= bv || s_next >= lens[b]) continue;  // the same in every lane
+        float4 x = untagged(v[b]);
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) {
+          x.x += __shfl_xor_sync(0xffffffffu, x.x, off), x.y += __shfl_xor_sync(0xffffffffu, x.y, off);
+          x.z += __shfl_xor_sync(0xffffffffu, x.z, off), x.w += __shfl_xor_sync(0xffffffffu, x.w, off);
         }
-#pragma unroll
-        for (int b = 0; b < MAXB; ++b)
-          if (b < bv && s_next < lens[b]) sum_line(b, untagged(v[b]));  // the same in every lane
-      } else {
-#pragma unroll
-        for (int b0 = 0; b0 < MAXB; b0 += 8) {
-          if (b0 >= bv) break;
-          uint4 v[8];
-#pragma unroll
-          for (int u = 0; u < 8; ++u)
-            if (b0 + u < bv && s_next < lens[b0 + u]) v[u] = __ldcg(in + (b0 + u) * NC * LQ);
-#pragma unroll
-          for (int u = 0; u < 8; ++u)
-            if (b0 + u < bv && s_next < lens[b0 + u])
-              sum_line(b0 + u, make_float4(__uint_as_float(v[u].x), __uint_as_float(v[u].y), __uint_as_float(v[u].z),
-                                           __uint_as_float(v[u].w)));
-        }
+        if (gr == 0) *reinterpret_cast<float4*>(part_s + (warp * g.bs + b) * U + 4 * t) = x;
       }
     }
     __syncthreads();
@@ -882,56 +856,36 @@ __device__ __forceinline__ void half_scatter_backward(const BackwardArgs& a) {
       if (lane == 0) gscale_s[b] = scale.x;
     }
     __syncthreads();
+    float acc[SB][4];
+#pragma unroll
+    for (int m = 0; m < SB; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+    uint2 x[G];
+#pragma unroll
+    for (int k = 0; k < G; ++k) x[k] = *reinterpret_cast<const uint2*>(gg_s + gr * LDG + k * U + 4 * t);
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+#pragma unroll
+      for (int m = 0; m < SB; ++m) mma_f16(acc[m], w[m][k], x[k].x, x[k].y);
+    // C: rows gr (+ 8), samples 2t (+ 1): lane (gr, t) holds columns 32p + 4gr .. + 3 of sample 2t + i, units
+    // 4 (gr % 4) .. of owner warp * SB + 2p + gr / 4.
     const unsigned tag = scatter_tag(s);
 #pragma unroll
-    for (int n = 0; n < TILES; ++n) {
-      if (!Tagged && !tile_runs(lens, 8 * n, bv, s)) continue;
-      float acc[SB][4];
+    for (int i = 0; i < 2; ++i) {
+      const int b = 2 * t + i;
+      if (b >= bv || s >= lens[b]) continue;
+      const float sc = gscale_s[b];
+      uint4* out = lines(cur) + (static_cast<int64_t>(warp * SB + gr / 4) * g.bs + b) * NC * LQ + blk.rank * LQ + gr % 4;
 #pragma unroll
-      for (int m = 0; m < SB; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
-      uint2 x[G];
-#pragma unroll
-      for (int k = 0; k < G; ++k) x[k] = *reinterpret_cast<const uint2*>(gg_s + (8 * n + gr) * LDG + k * U + 4 * t);
-#pragma unroll
-      for (int k = 0; k < G; ++k)
-#pragma unroll
-        for (int m = 0; m < SB; ++m) mma_f16(acc[m], w[m][k], x[k].x, x[k].y);
-      // C: rows gr (+ 8), samples 8n + 2t (+ 1): lane (gr, t) holds columns 32p + 4gr .. + 3 of sample 8n + 2t +
-      // i, units 4 (gr % 4) .. of owner warp * SB + 2p + gr / 4.
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int b = 8 * n + 2 * t + i;
-        if (b >= bv || s >= lens[b]) continue;
-        const float sc = gscale_s[b];
-        uint4* out = lines(cur) + (static_cast<int64_t>(warp * SB + gr / 4) * g.bs + b) * NC * LQ + blk.rank * LQ + gr % 4;
-#pragma unroll
-        for (int p = 0; p < SB / 2; ++p) {
-          uint4* o = out + static_cast<int64_t>(2 * p) * g.bs * NC * LQ;
-          const float v0 = acc[2 * p][i] * sc, v1 = acc[2 * p][2 + i] * sc;
-          const float v2 = acc[2 * p + 1][i] * sc, v3 = acc[2 * p + 1][2 + i] * sc;
-          if constexpr (Tagged)
-            store_line(o, with_tag(v0, tag), with_tag(v1, tag), with_tag(v2, tag), with_tag(v3, tag));
-          else
-            __stcg(o, make_uint4(__float_as_uint(v0), __float_as_uint(v1), __float_as_uint(v2), __float_as_uint(v3)));
-        }
-      }
+      for (int p = 0; p < SB / 2; ++p)
+        store_line(out + static_cast<int64_t>(2 * p) * g.bs * NC * LQ, with_tag(acc[2 * p][i] * sc, tag),
+                   with_tag(acc[2 * p][2 + i] * sc, tag), with_tag(acc[2 * p + 1][i] * sc, tag),
+                   with_tag(acc[2 * p + 1][2 + i] * sc, tag));
     }
   };
-  // One (sample, unit) pair a thread: at most 16 samples of 16 units.
-  grid_backward_steps<C, 1, Tagged>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, scatter);
-}
-template <Cell C, int SB>
-__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_kernel(const BackwardArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  half_scatter_backward<C, SB, true>(a);
-#endif
-}
-template <Cell C, int SB>
-__global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_scatter_barrier_kernel(const BackwardArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  half_scatter_backward<C, SB, false>(a);
+  // One (sample, unit) pair a thread: at most 4 samples of 16 units.
+  grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, scatter);
 #endif
 }
 
