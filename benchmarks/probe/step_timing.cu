@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
     unsigned* arrivals;
     cudaMalloc(&fx, (size_t)2 * groups * B * Kp * 4);
     cudaMemset(fx, 0, (size_t)2 * groups * B * Kp * 4);
-    cudaMalloc(&arrivals, groups * (1 + std::max(nc, 64)) * 4);  // the 16-bit backward's flags too
+    cudaMalloc(&arrivals, groups * 4);
     fa.xchg = fx, fa.arrivals = arrivals;
     static const char* gf[] = {"stage0", "products", "reduce+sync", "cell", "arrive", "stores+prefetch", "wait"};
     launch(grid_forward_kernel(cell, wt, bt), fa, blocks, nc, GridForwardSmem(g, G, wbytes, bt).total, true, arrivals, groups);
@@ -257,9 +257,8 @@ int main(int argc, char** argv) {
       cudaMemset(hx, 0, bytes);
       BackwardArgs hb = ba;
       hb.g = hg, hb.xchg = hx, hb.arrivals = arrivals;
-      static const char* gbh[] = {"flags+stage+mma+sync", "cell+sync", "publish+flag", "-", "stores+prefetch", "-"};
-      launch(grid_backward_half_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfBwdSmem(hg, G).total, true, arrivals,
-             static_cast<int>(grid_half_backward_counters(hg, groups)));
+      static const char* gbh[] = {"stage+mma+sync", "cell+sync", "publish", "arrive", "stores+prefetch", "wait"};
+      launch(grid_backward_half_kernel(cell, hbsh.sb), hb, hnc * groups, hnc, GridHalfBwdSmem(hg, G).total, true, arrivals, groups);
       report(1, 6, T, gbh);
       if (half_backward_scatter(hnc, B)) {  // the planner's kernel there; its lines zeroed before each launch
         printf(" the same by reduce-scatter, partial dh in tagged lines, no barrier (planned):\n");

@@ -715,11 +715,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_run(
     // the register backward: owner-major partials of nc * ng sources.
     const Geometry g = geometry(plan, z, reverse);
     if (plan.half) {
-      const bool tagged = half_backward_scatter(plan.nc, plan.bs);
-      xchg = at::zeros({tagged ? grid_half_scatter_exchange(g, plan.groups)
-                               : grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)},
+      xchg = at::zeros({half_backward_scatter(plan.nc, plan.bs) ? grid_half_scatter_exchange(g, plan.groups)
+                                                                 : grid_half_backward_exchange(g, static_cast<int>(G), plan.groups)},
                        opts);
-      arrivals = at::zeros({tagged ? plan.groups : grid_half_backward_counters(g, plan.groups)}, opts.dtype(at::kInt));
+      arrivals = at::zeros({plan.groups}, opts.dtype(at::kInt));
     } else {
       xchg = at::empty({plan.fused ? grid_owned_exchange(g, plan.groups, plan.nc * regs_shape(plan, z).ng)
                                             : 2 * static_cast<int64_t>(plan.groups) * plan.nc * plan.bs * plan.nc * plan.hs},

@@ -158,9 +158,6 @@ inline int grid_half_backward_blocks(int H) {
 // half warp's 8-byte loads fall on distinct banks), their scales ([b][warp * 8 + i]: source block warp * sb
 // + i), the warps' sums ([warp][b][ldp], as the forwards'), the columns' scales, the cells' gate gradients
 // ([b][G * 16]), the lengths.
-// The gate gradients' scales of a sample: 4 floats for each pair of source blocks (two of them used), so that
-// a warp stages a pair's with the pair's rows (a 16-byte copy).
-__host__ __device__ inline int half_backward_scale_stride(int nc) { return 2 * nc; }
 struct GridHalfBwdSmem {
   int ldk, ldp, gg, gscale, part, wscale, dg, lens, total;
   __host__ __device__ GridHalfBwdSmem(const Geometry& g, int G) {
@@ -168,7 +165,7 @@ struct GridHalfBwdSmem {
     ldk = K + 16, ldp = kHalfBwdUnits + 4;
     int off = 0;
     gg = off, off += round_up(bsp * ldk * 2, 16);
-    gscale = off, off += bsp * half_backward_scale_stride(g.nc) * 4;
+    gscale = off, off += bsp * 8 * kWarps * 4;
     part = off, off += kWarps * bsp * ldp * 4;
     wscale = off, off += kHalfBwdUnits * 4;
     dg = off, off += round_up(g.bs * G * kHalfBwdUnits * 4, 16);
@@ -177,13 +174,11 @@ struct GridHalfBwdSmem {
   }
 };
 // Its exchange, in floats: the gate gradients, [2][groups][bs][K] halves, then their scales, [2][groups][bs]
-// [half_backward_scale_stride].
+// [8 * kWarps].
 inline int64_t grid_half_backward_exchange(const Geometry& g, int G, int groups) {
   const int64_t rows = 2 * static_cast<int64_t>(groups) * g.bs;
-  return rows * g.nc * G * kHalfBwdUnits / 2 + rows * half_backward_scale_stride(g.nc);
+  return rows * g.nc * G * kHalfBwdUnits / 2 + rows * 8 * kWarps;
 }
-// Its counters (unsigned): each group's set-up barrier, then each group's nc flags.
-inline int64_t grid_half_backward_counters(const Geometry& g, int groups) { return groups * (1 + static_cast<int64_t>(g.nc)); }
 
 // The 16-bit backward by reduce-scatter in tagged lines (rnn_backward_grid_half_scatter_kernel), for a few samples
 // a group on the same blocks (16 units each, nc = 8 sb): no all-gather and no barrier a step. Each block multiplies
@@ -585,24 +580,20 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
       }
   }
   for (int e = tid; e < bsp * LDK; e += kThreads) gg_s[e] = __float2half_rn(0.0f);
-  constexpr int SS = 2 * kWarps * SB;  // half_backward_scale_stride
-  for (int e = tid; e < bsp * SS; e += kThreads) gscale_s[e] = 0.0f;
+  for (int e = tid; e < bsp * 8 * kWarps; e += kThreads) gscale_s[e] = 0.0f;
   for (int e = tid; e < g.bs * R; e += kThreads) dg_s[e] = 0.0f;  // units past hv stay 0
   load_lengths(lens, a.lengths, g, blk);
   GroupBarrier bar{Sync::kGrid, a.arrivals + blk.group, static_cast<unsigned>(g.nc), 0u};
   const int smax = finish_setup(bar, lens, g.bs);
-  // Block q's flag: n once it has published its gate gradients of steps smax - 1 .. smax - n (a release store
-  // after them; grid_half_backward_counters).
-  unsigned* const flags = a.arrivals + blk.groups + static_cast<int64_t>(blk.group) * g.nc;
 
   // The exchange: a step of parity p's gate gradients of sample b, source block q, at gates(p) + b * K + q *
-  // R; their scale at scales(p) + b * SS + (q / 2) * 4 + q % 2.
+  // R; their scale at scales(p) + b * 8 * kWarps + (q / SB) * 8 + q % SB.
   auto gates = [&](int parity) {
     return reinterpret_cast<__half*>(a.xchg) + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * K;
   };
   float* const scale_base = a.xchg + 2 * static_cast<int64_t>(blk.groups) * g.bs * K / 2;
   auto scales = [&](int parity) {
-    return scale_base + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * SS;
+    return scale_base + (static_cast<int64_t>(parity) * blk.groups + blk.group) * g.bs * 8 * kWarps;
   };
   // The staging's lanes: lane (b0, c) = (lane / 16, lane % 16) copies 16-byte chunk c of each of its
   // group's two source blocks of samples b0, b0 + 2, ..., b0 + 14 (the lanes past C16 chunks copy none), so
@@ -612,11 +603,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
   constexpr int C16 = 2 * R / 8;  // 16-byte chunks of a sample's two source blocks: 16 (LSTM), 12 (GRU)
   const int b0 = lane / 16, c16 = lane % 16;
   // dh of step s_next - 1 for this block's units: the gate gradients of step s_next (parity) of the samples
-  // running then, this warp's source blocks staged and multiplied, the warps' sums to part_s. No barrier: the
-  // warp stages a pair of its source blocks once both flags show step s_next published, the pairs in order
-  // (cp.async groups by pair), lanes < SB polling the warp's SB flags together, one trip to L2 a round.
+  // running then, this warp's source blocks staged and multiplied, the warps' sums to part_s.
   auto gather = [&](int parity, int s_next) {
-    const unsigned want = static_cast<unsigned>(smax - s_next);
     unsigned staged = 0;  // bit j: sample b0 + 2j runs at s_next (this lane copies its chunk)
 #pragma unroll
     for (int j = 0; j < kHalfBwdMaxSamples / 2; ++j) {
@@ -625,25 +613,16 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
     }
     const __half* src = gates(parity) + b0 * K + warp * KW + 8 * c16;
     __half* dst = gg_s + b0 * LDK + warp * KW + 8 * c16;
-    const bool scaled = lane < bv && s_next < lens[lane];  // lane b copies sample b's scales of each pair
-    for (int next = 0; next < NG;) {
-      const unsigned f = lane < SB ? load_relaxed(flags + warp * SB + lane) : want;
-      const unsigned ok = __ballot_sync(0xffffffffu, f >= want);
-      int upto = next;
-      while (upto < NG && (ok >> (2 * upto) & 3u) == 3u) ++upto;
-      if (upto == next) continue;
-      // Their stores, made before their flags, seen by this lane's copies.
-      asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 #pragma unroll
-      for (int n = 0; n < NG; ++n) {
-        if (n < next || n >= upto) continue;
+    for (int n = 0; n < NG; ++n) {
 #pragma unroll
-        for (int j = 0; j < kHalfBwdMaxSamples / 2; ++j)
-          if (staged >> j & 1u) cp_async16(dst + 2 * j * LDK + n * 2 * R, src + 2 * j * K + n * 2 * R);
-        if (scaled) cp_async16(gscale_s + lane * SS + (warp * NG + n) * 4, scales(parity) + lane * SS + (warp * NG + n) * 4);
-        cp_async_commit();
+      for (int j = 0; j < kHalfBwdMaxSamples / 2; ++j)
+        if (staged >> j & 1u) cp_async16(dst + 2 * j * LDK + n * 2 * R, src + 2 * j * K + n * 2 * R);
+      if (n == 0 && lane < 2 * bv && s_next < lens[lane / 2]) {  // the samples' scales of this warp's blocks
+        const int e = (lane / 2) * 8 * kWarps + 4 * (lane % 2);
+        cp_async16(gscale_s + e + warp * 8, scales(parity) + e + warp * 8);
       }
-      next = upto;
+      cp_async_commit();
     }
     const bool run0 = tile_runs(lens, 0, bv, s_next), run1 = tiles > 1 && tile_runs(lens, 8, bv, s_next);
     float tot[2][4] = {};
@@ -668,8 +647,8 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int m = 0; m < NT; ++m) {
-          const float* sc = gscale_s + (8 * (M0 + m) + 2 * t) * SS + (warp * NG + n) * 4 + i;
-          const float s0 = sc[0], s1 = sc[SS];
+          const float* sc = gscale_s + (8 * (M0 + m) + 2 * t) * 8 * kWarps + warp * 8 + 2 * n + i;
+          const float s0 = sc[0], s1 = sc[8 * kWarps];
           float(&d)[4] = tot[M0 + m];
           d[0] += p[i][m][0] * s0, d[1] += p[i][m][1] * s1, d[2] += p[i][m][2] * s0, d[3] += p[i][m][3] * s1;
         }
@@ -715,13 +694,11 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_grid_half_kernel(con
       if (two)
         __stcg(reinterpret_cast<unsigned*>(gates(cur) + static_cast<int64_t>(b) * K + blk.rank * R + 2 * lane),
                half2_bits(v0 * scale.y, v1 * scale.y));
-      if (lane == 0) __stcg(scales(cur) + b * SS + (blk.rank / 2) * 4 + blk.rank % 2, scale.x);
+      if (lane == 0) __stcg(scales(cur) + b * 8 * kWarps + (blk.rank / SB) * 8 + blk.rank % SB, scale.x);
     }
-    __syncthreads();  // every thread's stores before the flag's release
-    if (tid == 0) store_release(flags + blk.rank, static_cast<unsigned>(smax - s));
   };
   // One (sample, unit) pair a thread: at most 16 samples of 16 units.
-  grid_backward_steps<C, 1, true>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, publish);
+  grid_backward_steps<C, 1>(a, blk, lens, dg_s, R, bar, smax, gather, sum_of, publish);
 #endif
 }
 

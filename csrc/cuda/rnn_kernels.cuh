@@ -377,9 +377,6 @@ __device__ __forceinline__ unsigned load_relaxed(const unsigned* p) {
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void store_release(unsigned* p, unsigned v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 
 // The group barrier, split in two so that work that nobody waits for (this step's outputs to global
 // memory, the prefetch of a later step) runs while the other blocks catch up: arrive() publishes
