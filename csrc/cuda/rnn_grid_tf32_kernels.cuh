@@ -477,56 +477,30 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     else
       stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
-    // Tiles N0 .. N0 + NT - 1 (running): one chain of MMAs per m-tile and tile, the tiles' chains interleaved
-    // (3-8 chains a warp, two warps a scheduler).
-    auto tile_products = [&](auto n0, auto nt) {
-      constexpr int N0 = decltype(n0)::value, NT = decltype(nt)::value;
-      float acc[MT][NT][4];
+    for (int n = 0; n < tiles; ++n) {
+      if constexpr (!TAGGED) wait_staged(n, tiles);
+      if (!tile_runs(lens, 8 * n, bv, s)) continue;
+      float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
-      const __half* hb = h_s + (8 * N0 + gr) * ldh + warp * KW + 8 * t;
+        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+      const __half* hb = h_s + (8 * n + gr) * ldh + warp * KW + 8 * t;
 #pragma unroll
       for (int p = 0; p < KS / 2; ++p) {
-        uint4 x[NT];
+        const uint4 x = *reinterpret_cast<const uint4*>(hb + 32 * p);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) x[n] = *reinterpret_cast<const uint4*>(hb + 8 * n * ldh + 32 * p);
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int n = 0; n < NT; ++n) mma_f16(acc[m][n], w[m][2 * p], x[n].x, x[n].y);
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int n = 0; n < NT; ++n) mma_f16(acc[m][n], w[m][2 * p + 1], x[n].z, x[n].w);
+        for (int m = 0; m < MT; ++m) {
+          mma_f16(acc[m], w[m][2 * p], x.x, x.y);
+          mma_f16(acc[m], w[m][2 * p + 1], x.z, x.w);
+        }
       }
       // C: rows 16m + gr (+ 8), samples 8n + 2t (+ 1); this warp's sums of them to part_s.
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            part_s[(warp * bsp + 8 * (N0 + n) + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][n][e];
-    };
-    using I0 = std::integral_constant<int, 0>;
-    using I1 = std::integral_constant<int, 1>;
-    using I2 = std::integral_constant<int, 2>;
-    if (tiles == 2 && tile_runs(lens, 0, bv, s) && tile_runs(lens, 8, bv, s)) {
-      if constexpr (!TAGGED) wait_staged(1, 2);
-      tile_products(I0{}, I2{});
-    } else {
-      for (int n = 0; n < tiles; ++n) {
-        if constexpr (!TAGGED) wait_staged(n, tiles);
-        if (!tile_runs(lens, 8 * n, bv, s)) continue;
-        if (n == 0)
-          tile_products(I0{}, I1{});
-        else
-          tile_products(I1{}, I1{});
-      }
+        for (int e = 0; e < 4; ++e)
+          part_s[(warp * bsp + 8 * n + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][e];
     }
     VLSEQ_MARK(0, 2, s);
     __syncthreads();
