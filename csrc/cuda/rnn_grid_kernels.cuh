@@ -219,8 +219,12 @@ struct TaggedLines {
   // Sample 0's first line of buffer `parity` (the samples' lines follow one another).
   __device__ __forceinline__ uint4* lines(int parity) const { return base + parity * stride; }
 };
+// A tagged line's 16 bytes, stored and loaded as one relaxed access at GPU scope.
+__device__ __forceinline__ void store_line(uint4* p, unsigned x, unsigned y, unsigned z, unsigned w) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
 __device__ __forceinline__ void store_tagged(uint4* p, unsigned w0, unsigned w1, unsigned tag) {
-  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};\n" ::"l"(p), "r"(w0), "r"(tag), "r"(w1) : "memory");
+  store_line(p, w0, tag, w1, tag);
 }
 __device__ __forceinline__ uint4 load_tagged(const uint4* p) {
   uint4 v;

@@ -715,9 +715,6 @@ __device__ __forceinline__ float4 untagged(const uint4& v) {
   return make_float4(__uint_as_float(v.x & ~3u), __uint_as_float(v.y & ~3u), __uint_as_float(v.z & ~3u),
                      __uint_as_float(v.w & ~3u));
 }
-__device__ __forceinline__ void store_line(uint4* p, unsigned x, unsigned y, unsigned z, unsigned w) {
-  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
-}
 
 // The backward by reduce-scatter (half_backward_scatter, above). Warp w multiplies the block's R = G * 16 rows
 // (K: one k16-step a gate, the rows of units 4t .. 4t + 3 as slots 2t, 2t + 1, 2t + 8, 2t + 9, as the
