@@ -325,26 +325,6 @@ __device__ __forceinline__ void stage_tiles(const T* in, int row, int chunks, T*
   }
 }
 
-// The 16-bit forward's staging of h_{t-1} (rows of Kx halves at `in`): warp w copies only the columns its own
-// MMAs read (CW 16-byte chunks from chunk w * CW) of each sample running at s, a cp.async group a tile of 8
-// samples, so that it waits for its own columns (wait_staged(n, tiles, true)) and no warp waits at a block
-// barrier for the others' rows (stage_tiles' warp per sample had each tile's MMAs wait for the whole tile).
-template <int CW>
-__device__ __forceinline__ void stage_warp_columns(const __half* in, int Kx, __half* h_s, int ldh, const int* lens,
-                                                   int bv, int s, int tiles) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c0 = warp * CW, cn = min(CW, Kx / 8 - c0);  // this warp's chunks inside the row (none past it)
-  for (int n = 0; n < tiles; ++n) {
-#pragma unroll
-    for (int i = lane; i < 8 * CW; i += 32) {
-      const int b = 8 * n + i / CW, c = i % CW;
-      if (c < cn && b < bv && s < lens[b])
-        cp_async16(h_s + b * ldh + 8 * (c0 + c), in + static_cast<int64_t>(b) * Kx + 8 * (c0 + c));
-    }
-    cp_async_commit();
-  }
-}
-
 template <Cell C, int MT, int KS>
 __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(const ForwardArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -495,10 +475,10 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     if constexpr (TAGGED)
       poll_h_lines(in, s, hs, h_s, ldh, lens, bv);
     else
-      stage_warp_columns<2 * KS>(in, Kx, h_s, ldh, lens, bv, s, tiles);
+      stage_tiles(in, Kx, Kx / 8, h_s, ldh, lens, bv, s, tiles);
     VLSEQ_MARK(0, 1, s);
     for (int n = 0; n < tiles; ++n) {
-      if constexpr (!TAGGED) wait_staged(n, tiles, true);
+      if constexpr (!TAGGED) wait_staged(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
       float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
 #pragma unroll
