@@ -27,6 +27,9 @@
 #   bash benchmarks/run_on_gpu.sh exchange # the grid forward's exchange of h on its own, with its barrier and without
 #                                          # (benchmarks/probe/l2_exchange.cu publish / tagged: 64 and 128 blocks,
 #                                          # 2 / 16 / 32 KiB: LSTM 1024's h in fp16 at 1 / 8 / 16 samples); not part of all
+#   bash benchmarks/run_on_gpu.sh products # the 16-bit forward's products phase inside one SM, its h already in shared
+#                                          # memory: the landed mma.sync loop against wgmma (benchmarks/probe/
+#                                          # wgmma_products.cu, 16 and 8 samples, 128 blocks); not part of all
 #   bash benchmarks/run_on_gpu.sh trial    # a kernel change in one call: step timings (TRIAL_CASES) of this tree's
 #                                          # kernels (and PROBE_PATCH's), the extension built (with the patch
 #                                          # applied to this tree), its rnn GPU tests (TRIAL_TESTS) and, when they
@@ -62,8 +65,8 @@ build_extension() {
   fi
   echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 }
-# (`exchange` runs a standalone probe: no extension needed; `trial` builds it once its patch is applied)
-[ "$part" = exchange ] || [ "$part" = trial ] || build_extension
+# (`exchange` and `products` run standalone probes: no extension needed; `trial` builds it once its patch is applied)
+[ "$part" = exchange ] || [ "$part" = products ] || [ "$part" = trial ] || build_extension
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 if runs tests || runs tsc || runs tsc-cpu; then
@@ -231,6 +234,15 @@ if [ "$part" = exchange ]; then
     rc=1
   fi
   cat "$OUT/exchange.log"
+fi
+if [ "$part" = products ]; then
+  if ${NVCC:-nvcc} -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/vlseq_wgmma_products \
+    benchmarks/probe/wgmma_products.cu > "$OUT/products.log" 2>&1; then
+    for ns in 16 8; do timeout 60 /tmp/vlseq_wgmma_products $ns 128 480; done >> "$OUT/products.log" 2>&1 || rc=1
+  else
+    rc=1
+  fi
+  cat "$OUT/products.log"
 fi
 if [ "$part" = ncu ]; then
   build_probe
