@@ -65,7 +65,7 @@ build_extension() {
   fi
   echo "extension built from sources $sources" >> "$OUT/gpus.txt"
 }
-# (`exchange` and `products` run standalone probes: no extension needed; `trial` builds it once its patch is applied)
+# (`exchange` and `products` run probes of their own: no extension needed; `trial` builds it once its patch is applied)
 [ "$part" = exchange ] || [ "$part" = products ] || [ "$part" = trial ] || build_extension
 rc=0
 runs() { [ "$part" = "$1" ] || [ "$part" = all ]; }
@@ -236,8 +236,11 @@ if [ "$part" = exchange ]; then
   cat "$OUT/exchange.log"
 fi
 if [ "$part" = products ]; then
+  # (the probe takes the landed kernels' mma_f16 from their header, which includes torch's)
+  ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
+  pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   if ${NVCC:-nvcc} -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/vlseq_wgmma_products \
-    benchmarks/probe/wgmma_products.cu > "$OUT/products.log" 2>&1; then
+    benchmarks/probe/wgmma_products.cu -Icsrc/include -Icsrc/cuda $ti -I"$pyi" > "$OUT/products.log" 2>&1; then
     for ns in 16 8; do timeout 60 /tmp/vlseq_wgmma_products $ns 128 480; done >> "$OUT/products.log" 2>&1 || rc=1
   else
     rc=1

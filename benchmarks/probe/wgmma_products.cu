@@ -9,6 +9,7 @@
 //          A operand in registers (the same fragment layout per warp as mma.sync's A) and h as B from shared
 //          memory (no swizzle, K-major core matrices of 8 samples x 8 columns), 2 partial sums a value: one
 //          chain of 32 dependent wgmmas (wgmma), or 4 chains of 8 on accumulators of their own (wgmma4).
+// Built with the extension's include paths (csrc/include, csrc/cuda, torch's): run_on_gpu.sh products.
 // Usage: wgmma_products [samples=16 (8 or 16)] [blocks=128] [steps=480]
 // Prints the products phase's clocks a step (block 0) and the whole step's, and each variant's largest error
 // against a float64 product of the same fp16 operands after one step.
@@ -22,6 +23,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "rnn_grid_tf32_kernels.cuh"  // the landed kernel's mma_f16 and half2_bits
+
 constexpr int kThreads = 256, kRows = 64, kCols = 1024;
 
 #define CHECK(x)                                                                             \
@@ -33,17 +36,8 @@ constexpr int kThreads = 256, kRows = 64, kCols = 1024;
     }                                                                                        \
   } while (0)
 
-__device__ __forceinline__ uint32_t half2_bits(__half lo, __half hi) {
-  return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using vlseq::rnn::half2_bits;
+using vlseq::rnn::mma_f16;
 
 // The shared-memory matrix descriptor of a K-major operand without swizzle: core matrices of 8 rows x 16 bytes,
 // each 128 contiguous bytes; lbo the bytes between core matrices along K, sbo along M / N.
@@ -99,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* part_s = reinterpret_cast<float*>(smem + (WG ? NS * kCols * 2 : NS * kLdh * 2));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, t = lane % 4;
   for (int e = tid; e < NS * kCols; e += kThreads) h_s[h_index<WG, NS>(e / kCols, e % kCols)] = __float2half_rn(h0[e]);
-  auto W = [&](int r, int c) { return __float2half_rn(w_g[r * kCols + c]); };
+  auto W = [&](int r, int c) { return w_g[r * kCols + c]; };
   // A fragments: mma, w[m][ks] of m-tile m, k16-step ks of columns warp * 128 ..; wgmma, w[s] of rows 16 * (warp
   // % 4) .., k16-step s of columns (warp / 4) * 512 ...
   constexpr int KS = WG ? 32 : 8, MT = WG ? 1 : 4;
