@@ -23,7 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "rnn_grid_tf32_kernels.cuh"  // the landed kernel's mma_f16 and half2_bits
+#include "rnn_grid_tf32_kernels.cuh"  // the landed kernel's products of a tile (half_tile_products) and half2_bits
 
 constexpr int kThreads = 256, kRows = 64, kCols = 1024;
 
@@ -37,7 +37,7 @@ constexpr int kThreads = 256, kRows = 64, kCols = 1024;
   } while (0)
 
 using vlseq::rnn::half2_bits;
-using vlseq::rnn::mma_f16;
+using vlseq::rnn::half_tile_products;
 
 // The shared-memory matrix descriptor of a K-major operand without swizzle: core matrices of 8 rows x 16 bytes,
 // each 128 contiguous bytes; lbo the bytes between core matrices along K, sbo along M / N.
@@ -152,28 +152,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           part_s[(q * NS + 8 * j + 2 * t + (e & 1)) * LDP + 16 * (warp % 4) + gr + 8 * (e / 2)] = acc[4 * j + e];
     } else {
 #pragma unroll
-      for (int n = 0; n < NS / 8; ++n) {
-        float acc[MT][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
-        const __half* hb = h_s + (8 * n + gr) * kLdh + warp * 128 + 8 * t;
-#pragma unroll
-        for (int p = 0; p < KS / 2; ++p) {
-          const uint4 x = *reinterpret_cast<const uint4*>(hb + 32 * p);
-#pragma unroll
-          for (int m = 0; m < MT; ++m) {
-            mma_f16(acc[m], w[m][2 * p], x.x, x.y);
-            mma_f16(acc[m], w[m][2 * p + 1], x.z, x.w);
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            part_s[(warp * NS + 8 * n + 2 * t + (e & 1)) * LDP + 16 * m + gr + 8 * (e / 2)] = acc[m][e];
-      }
+      for (int n = 0; n < NS / 8; ++n)
+        half_tile_products(w, h_s + (8 * n + gr) * kLdh + warp * 128 + 8 * t, part_s, warp * NS + 8 * n, LDP, gr, t);
     }
     __syncthreads();
     const long long t1 = clock64();

@@ -409,6 +409,34 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_tf32_kernel(cons
 #endif
 }
 
+// One tile of 8 samples of the 16-bit forward's products in a warp: its MT m-tiles of W_hh (w: A fragments, k
+// permuted as below) times h at hb (lane (g, t)'s sample of the tile, from the column 8t of the warp's), one chain
+// of MMAs per m-tile (3-4 chains a warp, two warps a scheduler); the sums of rows 16m + g (+ 8) and the tile's
+// samples 2t (+ 1) go to part_s's rows row0 + 2t (+ 1) (ldp floats apart). benchmarks/probe/wgmma_products.cu
+// times it inside one SM.
+template <int MT, int KS>
+__device__ __forceinline__ void half_tile_products(const uint32_t (&w)[MT][KS][4], const __half* hb, float* part_s,
+                                                   int row0, int ldp, int gr, int t) {
+  float acc[MT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < KS / 2; ++p) {
+    const uint4 x = *reinterpret_cast<const uint4*>(hb + 32 * p);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      mma_f16(acc[m], w[m][2 * p], x.x, x.y);
+      mma_f16(acc[m], w[m][2 * p + 1], x.z, x.w);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part_s[(row0 + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][e];
+}
+
 // The forward with W_hh in 16 bits (GridHalfFwdShape). k is permuted as in the TF32 forward, by pairs of
 // k16-steps (32 columns from c0): lane (g, t) holds slots 2t, 2t + 1, 2t + 8, 2t + 9 of k16-step 2p as
 // columns c0 + 8t .. c0 + 8t + 3 and those of k16-step 2p + 1 as c0 + 8t + 4 .. + 7, so one 16-byte load
@@ -480,27 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_grid_half_kernel(cons
     for (int n = 0; n < tiles; ++n) {
       if constexpr (!TAGGED) wait_staged(n, tiles);
       if (!tile_runs(lens, 8 * n, bv, s)) continue;
-      float acc[MT][4];  // one chain of MMAs per m-tile: 3-4 chains a warp, two warps a scheduler
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
-      const __half* hb = h_s + (8 * n + gr) * ldh + warp * KW + 8 * t;
-#pragma unroll
-      for (int p = 0; p < KS / 2; ++p) {
-        const uint4 x = *reinterpret_cast<const uint4*>(hb + 32 * p);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          mma_f16(acc[m], w[m][2 * p], x.x, x.y);
-          mma_f16(acc[m], w[m][2 * p + 1], x.z, x.w);
-        }
-      }
-      // C: rows 16m + gr (+ 8), samples 8n + 2t (+ 1); this warp's sums of them to part_s.
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          part_s[(warp * bsp + 8 * n + 2 * t + (e & 1)) * ldp + 16 * m + gr + 8 * (e / 2)] = acc[m][e];
+      half_tile_products(w, h_s + (8 * n + gr) * ldh + warp * KW + 8 * t, part_s, warp * bsp + 8 * n, ldp, gr, t);
     }
     VLSEQ_MARK(0, 2, s);
     __syncthreads();
