@@ -236,7 +236,7 @@ if [ "$part" = exchange ]; then
   cat "$OUT/exchange.log"
 fi
 if [ "$part" = products ]; then
-  # (the probe takes the landed kernels' mma_f16 from their header, which includes torch's)
+  # (the probe calls the 16-bit forward's half_tile_products from the kernels' header, which includes torch's)
   ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
   pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   if ${NVCC:-nvcc} -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/vlseq_wgmma_products \
