@@ -155,18 +155,17 @@ GridClocks grid_clocks(int G, int hs, int H, int bs, int bt, int nc, int groups,
                                : products;
   return {std::max(forward, l2) + 2500.0, backward + l2 + 2500.0};
 }
+// The tagged exchange's clocks a step in place of a barrier's: ~500, and ~320 for each 16K lines polled (16K: a
+// sample of LSTM 1024 on 64 blocks, whose forward measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4
+// samples against 4,990-5,154 with the barrier: BENCHMARKS.md, thirty-third session).
+double tagged_poll_clocks(int nc, int hs, int bs) {
+  return 500.0 + static_cast<double>(tagged_lines_polled(nc, hs, bs)) * 320.0 / 16384.0;
+}
 // The forward with W_hh in 16 bits: its MMAs (~1.4x the TF32 forward's clocks a tile of samples, as
 // measured: 1,267-1,405 a tile against 900-1,011, each MMA twice the products) or its staging of the
 // group's h in fp16 at an SM's intake, ~42 bytes a clock (what bounded the exchange measured on its own, at
 // 16 blocks as at 128: BENCHMARKS.md, twelfth session; the older kernels' estimate above charges L2 for the
-// whole GPU instead), and ~2,500 for the cell and barrier. With the tagged exchange (no barrier) ~500, and
-// ~320 for each 16K lines polled a step (tagged_poll_clocks; 16K: a sample of LSTM 1024 on 64 blocks,
-// which measured 3,352 / 3,674 / 4,413 clocks a step at 1 / 2 / 4 samples against 4,990-5,154 with the
-// barrier: BENCHMARKS.md, thirty-third session).
-// The tagged exchange's clocks a step in place of a barrier's: ~500, and ~320 for each 16K lines polled.
-double tagged_poll_clocks(int nc, int hs, int bs) {
-  return 500.0 + static_cast<double>(tagged_lines_polled(nc, hs, bs)) * 320.0 / 16384.0;
-}
+// whole GPU instead), and ~2,500 for the cell and barrier, or tagged_poll_clocks with the tagged exchange.
 double half_forward_clocks(const GridHalfFwdShape& sh, int H, int nc, int hs, int bs) {
   const double mmas = 11.0 * sh.mt * sh.ks * ceil_div(bs, 8);
   const double intake = static_cast<double>(bs) * round_up(H, 8) * 2.0 / 42.0;
