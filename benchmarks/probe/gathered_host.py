@@ -2,7 +2,11 @@
 plan, gather.CallGatherer) at k samples, warm, on one GPU.
 
   1. samples/s over back-to-back steps (no profiler), and the step's GPU busy time (torch.profiler);
-  2. torch.profiler's CPU events over a few steps, every thread: the ops and autograd nodes with the
+  2. the host's time a step by phase, no profiler: wall time inside the gatherer's run (the passes,
+     their hand-overs and the batched calls), inside the batched calls, inside backward, the
+     optimizer, and the step's rest; and whether any op of a step waits for the GPU
+     (torch.cuda.set_sync_debug_mode);
+  3. torch.profiler's CPU events over a few steps, every thread: the ops and autograd nodes with the
      most self CPU time, with their count per step.
 (cProfile in the pass threads, by threading.setprofile, fails on Python 3.12: "Another profiling tool is
 already active"; the passes then die and the step never ends.)
@@ -13,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +31,39 @@ from vlseq_ext.bench.sweep_points import POOL, ModelSpec
 from vlseq_ext.bench.timing import device_time_us, is_kernel
 
 TOP = 30
+
+
+@contextlib.contextmanager
+def phase_timers(spent: collections.Counter):
+    """Wall time spent inside a few functions of the step, summed into `spent` (by phase name)
+    while the block runs; the functions are put back after it."""
+    from vlseq_ext.nn import functional, gather, modules
+    from vlseq_ext.training import execution, trainer
+    phases = [("step (all of it)", trainer.ParallelTrainer, "step"),
+              ("  forward + backward on the device thread", execution.DeviceRunner, "run"),
+              ("    gatherer run: passes, hand-overs, batched calls", gather.CallGatherer, "run"),
+              ("      batched calls (LSTM and Linear)", gather.CallGatherer, "_run_calls"),
+              ("        LSTM batch (padding, kernels, splits)", modules._KernelRNN, "_run_joined"),
+              ("          functional.rnn (GEMMs, launches)", functional, "rnn"),
+              ("    backward", torch.Tensor, "backward"),
+              ("  optimizer step", torch.optim.Adam, "step")]
+    saved = []
+    for name, owner, attr in phases:
+        fn = owner.__dict__[attr]
+        saved.append((owner, attr, fn))
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t
+        setattr(owner, attr, functools.wraps(fn)(timed))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
 
 
 def main() -> None:
@@ -46,7 +86,8 @@ def main() -> None:
     spec = ModelSpec("lstm", args.hidden, args.layers)
     pool = make_pool(POOL, seed=0, pin=True)
 
-    def run(steps: int, profiler=None) -> float:
+    def run(steps: int, profiler=None, on_start=None) -> float:
+        """Seconds a step over `steps` steps after 3 warm-up steps (on_start() between them)."""
         trainer = point_trainer(spec, "one", args.k, [dev], fused=True)
         feed = Feeder(pool)
         try:
@@ -54,12 +95,15 @@ def main() -> None:
                 trainer.step(*feed.next(args.k))
             torch.cuda.synchronize()
             assert trainer.runner.plan == "gathered", trainer.runner.plan
+            if on_start is not None:
+                on_start()
             t0 = time.perf_counter()
             if profiler is not None:
                 profiler.start()
             for _ in range(steps):
                 trainer.step(*feed.next(args.k))
             torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("default")
             if profiler is not None:
                 profiler.stop()
             return (time.perf_counter() - t0) / steps
@@ -69,6 +113,20 @@ def main() -> None:
     dt = run(args.steps)
     print(f"{spec.name} one-sample k={args.k} (stack {args.stack}): {dt * 1e3:.2f} ms a step, {args.k / dt:,.0f} samples/s, "
           f"{dt / args.k * 1e6:.0f} us a pass")
+
+    spent = collections.Counter()
+    with phase_timers(spent):
+        dt = run(args.steps, on_start=spent.clear)
+    print(f"host time by phase (no profiler; {dt * 1e3:.2f} ms a step):")
+    for name, seconds in spent.items():
+        print(f"  {seconds / args.steps * 1e3:8.3f} ms  {name}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(2, on_start=lambda: torch.cuda.set_sync_debug_mode("warn"))
+    syncs = collections.Counter(str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message))
+    print(f"ops that waited for the GPU in 2 steps: {sum(syncs.values())}")
+    for text, n in syncs.most_common(5):
+        print(f"  {n:4d} x {text}")
 
     prof_steps = 5
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
