@@ -451,6 +451,56 @@ def test_gpu_trainer_gathers_wide_one_sample_models(rand, no_tf32, cell, hidden,
     trainer.close()
 
 
+def test_padded_flat_equals_pad_sequence(rand):
+    """The one-launch padding of a gathered batch of data writes pad_sequence's bits: any lengths
+    (1 and the longest twice), trailing dims, a strided sample, NaN and infinities kept."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from helpers import assert_same_bits
+    for dtype in (torch.float32, torch.float64):
+        samples = [rand.randn(n, 3, 2).to(dtype) for n in (4, 1, 7, 7, 2)]
+        samples.append(rand.randn(3, 2, 5).to(dtype).permute(2, 0, 1))  # (5, 3, 2), not contiguous
+        samples[2][3, 1, 0], samples[3][0, 0, 1], samples[4][1, 2, 1] = float("nan"), float("inf"), -0.0
+        assert_same_bits(modules._padded_flat(samples), pad_sequence(samples, batch_first=True), str(dtype))
+
+
+class LastState(nn.Module):
+    """A one-sample model whose recurrent input is the data itself (no gradient flows to it)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(dim, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        _, (h, _) = self.rnn(x.unsqueeze(0))
+        return self.fc(h[-1])
+
+
+@requires_cuda
+def test_gpu_gathered_data_is_padded_in_one_launch(rand, no_tf32, monkeypatch):
+    """A gathered batch of data is padded by _padded_flat (one launch), one whose samples carry a
+    gradient by pad_sequence; both give the float64 per-sample reference's gradients."""
+    padded = []
+    flat = modules._padded_flat
+    monkeypatch.setattr(modules, "_padded_flat", lambda samples: padded.append(len(samples)) or flat(samples))
+    xs, ys = batch(rand, 12, dim=36, max_len=70)
+    for model, want_padded in ((LastState(36, 256), [12, 12]), (OneSample(dim=36, hidden=256, layers=1), [])):
+        torch.manual_seed(rand.seed % 2**31)
+        model = model.cuda()
+        want = list(float64_reference_grads(model, xs, ys).values())
+        trainer = ParallelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(), devices="cuda:0",
+                                  samples_per_device=12, rnn_kernels="vlseq", pack=True)
+        padded.clear()
+        for _ in range(2):
+            trainer.compute_gradients(xs, ys)
+        assert trainer.runner.plan == "gathered" and padded == want_padded
+        for a, b in zip(grads(model), want):
+            err = ((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-30)).item()
+            assert err < 2e-5, err
+        trainer.close()
+
+
 @requires_cuda
 def test_gpu_auto_gathers_where_one_sample_fills_the_gpu():
     """pack="auto": per-sample graphs where one sample's recurrence runs in a cluster (they run side by

@@ -2,6 +2,8 @@
 plan, gather.CallGatherer) at k samples, warm, on one GPU.
 
   1. samples/s over back-to-back steps (no profiler), and the step's GPU busy time (torch.profiler);
+     with --ab-padding, alternated 3 times with the gathered batch padded by a copy per sample
+     (pad_sequence) instead of one launch (modules._padded_flat);
   2. the host's time a step by phase, no profiler: wall time inside the gatherer's run (the passes,
      their hand-overs and the batched calls), inside the batched calls, inside backward, the
      optimizer, and the step's rest; and whether any op of a step waits for the GPU
@@ -11,7 +13,7 @@ plan, gather.CallGatherer) at k samples, warm, on one GPU.
 (cProfile in the pass threads, by threading.setprofile, fails on Python 3.12: "Another profiling tool is
 already active"; the passes then die and the step never ends.)
 
-    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20] [--stack auto|one|pipelined]
+    python3 benchmarks/probe/gathered_host.py [--hidden 1024] [--layers 1] [--k 32] [--steps 20] [--stack auto|one|pipelined] [--ab-padding]
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--stack", choices=("auto", "one", "pipelined"), default="auto",
                     help="a stack's layers: as the modules plan them (auto), one launch after another on the whole "
                          "GPU (one), or a grid stack pipelined as if the gathered batch were not host-bound")
+    ap.add_argument("--ab-padding", action="store_true",
+                    help="also time the steps with the gathered batch padded by pad_sequence, alternated")
     args = ap.parse_args()
     from vlseq_ext.nn import concurrency
     plan_stack = concurrency.pipeline_layout
@@ -113,6 +117,22 @@ def main() -> None:
     dt = run(args.steps)
     print(f"{spec.name} one-sample k={args.k} (stack {args.stack}): {dt * 1e3:.2f} ms a step, {args.k / dt:,.0f} samples/s, "
           f"{dt / args.k * 1e6:.0f} us a pass")
+    if args.ab_padding:
+        from torch.nn.utils.rnn import pad_sequence
+
+        from vlseq_ext.nn import modules
+        flat = modules._padded_flat
+        times = collections.defaultdict(list)
+        for _ in range(3):
+            for name, pad in (("one launch", flat), ("a copy per sample", lambda s: pad_sequence(s, batch_first=True))):
+                modules._padded_flat = pad
+                try:
+                    times[name].append(run(args.steps))
+                finally:
+                    modules._padded_flat = flat
+        for name, ts in times.items():
+            print(f"  padded by {name}: " + ", ".join(f"{t * 1e3:.2f}" for t in ts) + f" ms a step (median "
+                  f"{sorted(ts)[1] * 1e3:.2f})")
 
     spent = collections.Counter()
     with phase_timers(spent):
