@@ -478,6 +478,16 @@ class LastState(nn.Module):
 
 
 @requires_cuda
+def test_gpu_gathered_data_without_cuda_flatten_is_padded_by_copies(rand, monkeypatch):
+    """An extension without its CUDA kernels has no flatten for the GPU: the padding is pad_sequence's."""
+    from vlseq_ext import ops
+    monkeypatch.setattr(ops, "has_cuda_kernels", lambda: False)
+    monkeypatch.setattr(modules, "_padded_flat", lambda samples: pytest.fail("flatten without CUDA kernels"))
+    samples = [rand.randn(n, 3).cuda() for n in (4, 1, 6)]
+    assert torch.equal(modules._padded(samples), torch.nn.utils.rnn.pad_sequence(samples, batch_first=True))
+
+
+@requires_cuda
 def test_gpu_gathered_data_is_padded_in_one_launch(rand, no_tf32, monkeypatch):
     """A gathered batch of data is padded by _padded_flat (one launch), one whose samples carry a
     gradient by pad_sequence; both give the float64 per-sample reference's gradients."""

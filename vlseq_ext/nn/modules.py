@@ -70,10 +70,12 @@ def _check_kernels(kernels: str) -> str:
 def _padded(samples: List[Tensor]) -> Tensor:
     """pad_sequence(samples, batch_first=True): (B, max steps, ...), zeros past each sample's steps.
     On a GPU, where no gradient flows to the samples (a gathered batch of data), one launch
-    (_padded_flat) where pad_sequence makes a copy per sample: 32 copies of a few microseconds of
-    host time each for a gathered batch of 32 one-sample passes. (On the CPU those copies are the
-    cheaper: 57 against 82 us for 32 small samples, measured.)"""
-    if not samples[0].is_cuda or (torch.is_grad_enabled() and any(s.requires_grad for s in samples)):
+    (_padded_flat) where pad_sequence makes a copy per sample: a gathered step of 32 one-sample
+    passes went from 102 to 70 memcpy calls, its time within the host's spread (BENCHMARKS.md,
+    thirty-eighth session). On the CPU the copies are the cheaper (57 against 82 us for 32 small
+    samples), and an extension built without CUDA has no flatten for the GPU."""
+    if (not samples[0].is_cuda or not ops.has_cuda_kernels()
+            or (torch.is_grad_enabled() and any(s.requires_grad for s in samples))):
         return pad_sequence(samples, batch_first=True)
     return _padded_flat(samples)
 
