@@ -340,15 +340,17 @@ def test_quick_cpu_run_sweeps_every_point_and_method(quick_run):
     assert set(points) == {sweep_points.point_name(f, m, k) for m in plan.models for k in plan.ks for f in sweep_points.FORMS}
     assert len(points) == 12 and "list_lstm_h16_l2_k4" in points and "one_bigru_h8_l2_k1" in points
     assert not [k for k in d["errors"] if k.startswith("train.sweep")], d["errors"]
-    assert "gloo" in d["skipped"]["train.sweep.ddp_nccl"]  # the one method that does not run on CPU, and why
+    assert "gloo" in d["skipped"]["train.sweep.ddp_nccl"]  # the methods that do not run on CPU, and why
+    assert "torch's RNN already" in d["skipped"]["train.sweep.one_gpu_cudnn"]
     for name, p in points.items():
         sps = p["samples_per_s"]
         assert set(sps) == set(p["setup_s"]) == SWEEP_METHODS, name
         assert all(v > 0 for v in list(sps.values()) + list(p["setup_s"].values())), name
-        assert sps["one_gpu_best"] == max(sps["one_gpu_packed"], sps["one_gpu"])
+        assert sps["one_gpu_best"] == max(sps["one_gpu_packed"], sps["one_gpu"])  # (no cuDNN loop on a CPU)
         assert p["num_devices"]["vlseq"] == p["num_devices"]["vlseq_mp"] == 2 and p["num_devices"]["vlseq_1gpu"] == 1
         r = p["ratio"]
-        assert set(r) == {"vs_ddp", "vs_1gpu", "vs_one_gpu_best", "vs_best", "vs_mp"}
+        assert set(r) == {"vs_ddp", "vs_1gpu", "vs_one_gpu_best", "vs_best", "vs_mp", "1gpu_vs_one_gpu_best"}
+        assert r["1gpu_vs_one_gpu_best"] == pytest.approx(sps["vlseq_1gpu"] / sps["one_gpu_best"])
         assert r["vs_best"] == pytest.approx(sps["vlseq"] / max(sps["ddp_gloo"], sps["one_gpu_best"]))
         assert r["vs_ddp"] == pytest.approx(sps["vlseq"] / sps["ddp_gloo"])
         checks = p["target"]["checks"]
@@ -405,12 +407,14 @@ def test_sweep_and_diag_gpu_plans():
         for name in points:
             assert {f"train.sweep.{name}.{m}" for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl")} <= keys
         assert sum(k.endswith(".one_gpu_packed") for k in keys) == sum(k.endswith(".one_gpu") for k in keys) \
-            == n_points // 2  # once per model and k
+            == sum(k.endswith(".one_gpu_cudnn") for k in keys) == n_points // 2  # once per model and k
+        assert all(k.startswith("train.sweep.list_") for k in keys if k.endswith(".one_gpu_cudnn"))
         assert len(jobs) == 2 * n_points and all(j["fused"] and j["kind"] == "sweep" for j, _ in jobs)
         opt = res.get("train.sweep_info.optimizer")
         assert {m: opt[m] for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl")} == dict.fromkeys(
             ("vlseq", "vlseq_1gpu", "vlseq_mp", "ddp_nccl"), "Adam(lr=1e-3, fused=True)")
-        assert opt["one_gpu"] == opt["one_gpu_packed"] == ("Adam(lr=1e-3, fused=True)" if sweep.ONE_GPU_LOOPS_FUSED
+        assert opt["one_gpu"] == opt["one_gpu_packed"] == opt["one_gpu_cudnn"] == (
+            "Adam(lr=1e-3, fused=True)" if sweep.ONE_GPU_LOOPS_FUSED
                                                             else "Adam(lr=1e-3)")
         budget = Budget.make(quick)
         assert sum(j["timeout_s"] for j, _ in jobs) == pytest.approx(budget.sweep_mp_deadline_s + 10 * len(jobs))
@@ -493,7 +497,7 @@ def _sweep_results() -> Results:
             ("one_lstm_h64_l1_k1", "one", 1, {"vlseq": 3000.0, "vlseq_1gpu": 2000.0, "ddp_nccl": 900.0,
                                               "one_gpu_packed": 400.0, "one_gpu": 450.0}),
             ("list_lstm_h64_l1_k32", "list", 32, {"vlseq": 5000.0, "vlseq_1gpu": 2500.0, "one_gpu_packed": 1500.0,
-                                                  "one_gpu": 1000.0})):
+                                                  "one_gpu_cudnn": 1250.0, "one_gpu": 1000.0})):
         r.set(f"train.sweep.{name}", {"form": form, "rnn": "lstm", "hidden": 64, "layers": 1, "k": k, "params": 26177,
                                       "pool_samples": 16, "num_devices": {}, "notes": {}, "setup_s": {"vlseq": 1.5}})
         for m, v in sps.items():
@@ -513,6 +517,8 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     assert missed["target"]["status"] == "missed" and not missed["target"]["checks"]["vs_1gpu"]["ok"]  # 1.5 < 1.8
     assert partial["target"]["status"] == "incomplete" and partial["one_gpu_best_method"] == "one_gpu_packed"
     assert "vs_best" not in partial["ratio"] and partial["ratio"]["vs_one_gpu_best"] == pytest.approx(5000 / 1500)
+    assert partial["ratio"]["vs_cudnn_loop"] == pytest.approx(5000 / 1250)  # the loop users write with nn.LSTM
+    assert partial["ratio"]["1gpu_vs_cudnn_loop"] == pytest.approx(2) and "vs_cudnn_loop" not in met["ratio"]
     t = evaluate_targets(r)["W3"]
     assert t["status"] == "missed" and t["ratio"] == pytest.approx(3000 / 900)
     assert "1 of 3 points met, 1 incomplete" in t["detail"] and "missed: one_lstm_h64_l1_k1" in t["detail"]
@@ -520,6 +526,7 @@ def test_sweep_ratios_marks_and_report_on_gpu_shaped_results(tmp_path):
     assert schema_problems(json.loads((tmp_path / "bench-results.json").read_text())) == []
     assert "## Training sweep" in md and "| LSTM h64 l1 | list | 4.44 met | incomplete |" in md
     assert "| one_lstm_h64_l1_k1 | 3,000 | 2,000 | - | 900 | 450 (per-sample) |" in md
+    assert "| list_lstm_h64_l1_k32 | 5,000 | 2,500 | - | - | 1,500 (packed) | 1,250 |" in md
     if HAVE_MPL:
         assert (tmp_path / sweep_report.PLOT_FILE).exists()
     d = json.loads((tmp_path / "bench-results.json").read_text())

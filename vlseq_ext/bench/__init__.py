@@ -75,8 +75,9 @@ its value is a plain number (the median); the sibling `<name>_spread.<method>` h
           {form: "list"|"one", rnn: "lstm"|"bigru", hidden, layers, k, params, pool_samples,
            samples_per_s.<method>, samples_per_s_spread.<method>, setup_s.<method> (build + warm-up and graph
            captures before timing), capture_s.<method>?, num_devices.<method>, notes.<method>,
-           graph_stats.<method>?, one_gpu_best_method, ratio: {vs_ddp, vs_1gpu, vs_one_gpu_best, vs_best, vs_mp}
-           (vlseq / that method; vs_best: / max(DDP, one_gpu_best)),
+           graph_stats.<method>?, one_gpu_best_method, ratio: {vs_ddp, vs_1gpu, vs_one_gpu_best, vs_best, vs_mp,
+           vs_cudnn_loop, 1gpu_vs_one_gpu_best, 1gpu_vs_cudnn_loop} (vlseq / that method; vs_best: / max(DDP,
+           one_gpu_best); vs_cudnn_loop: / one_gpu_cudnn; 1gpu_*: vlseq_1gpu / it; each where both were measured),
            target: {status: "met"|"missed"|"incomplete", checks: {vs_ddp|vs_1gpu|vs_one_gpu_best:
                     {value, op: ">=", threshold, ok}}}}
       sweep_info: {devices, models, ks, forms, pool_samples, lengths, ddp_method, optimizer: {method: str},
@@ -108,7 +109,7 @@ model: ops.all_reduce_tensors_; flat: ops.all_reduce_; for every algo this build
 root, one_shot, two_shot, copy_engine).
 train: seed_style, one_gpu, one_gpu_packed, data_parallel, ddp_nccl / ddp_gloo, vlseq, vlseq_1gpu,
 vlseq_eager, vlseq_noguard (see vlseq_ext.bench.train.NOTES). sweep: vlseq, vlseq_1gpu, vlseq_mp,
-ddp_nccl / ddp_gloo, one_gpu_packed, one_gpu, one_gpu_best (see vlseq_ext.bench.sweep).
+ddp_nccl / ddp_gloo, one_gpu_packed, one_gpu_cudnn (GPUs only), one_gpu, one_gpu_best (see vlseq_ext.bench.sweep).
 flatten: vlseq (ops.flatten into a preallocated buffer), vlseq_unflatten (ops.unflatten_ back into
 the tensors); seed model: flatten_dense_tensors (torch._utils._flatten_dense_tensors), cat
 (torch.cat of views, allocating as the seed does); many tensors: cat (torch.cat with out=),

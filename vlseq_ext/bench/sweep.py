@@ -10,11 +10,16 @@ Methods, all in one run (samples/s counts every sample of a step, all devices to
   ddp_nccl        DDP, one process per GPU, in the same spawn. list: k samples per process packed
                   (pack_sequence); one: k per-sample forward + backward passes, all but the last
                   under no_sync. On CPU the same runs over gloo as `ddp_gloo`;
-  one_gpu_packed  one device, k samples per step packed (the list model: a user could write one);
-  one_gpu         one device, k per-sample forward + backward passes, one optimizer step;
-  one_gpu_best    the faster of one_gpu_packed and one_gpu. The two one-GPU loops compute the same
-                  thing for both forms, so they are measured once per model and k (in the list
-                  point for one_gpu_packed, the one point for one_gpu) and recorded in both.
+  one_gpu_packed  one device, k samples per step packed (the list model: a user could write one).
+                  The list model is SeqModel, whose RNN runs on vlseq_ext.nn's kernels by default
+                  (rnn_kernels="auto"; packed input at every width), so this loop has our kernels too;
+  one_gpu_cudnn   the same packed loop with SeqModel(rnn_kernels="cudnn"): torch's cuDNN RNN, the loop a
+                  user writes with nn.LSTM / nn.GRU (GPUs only: on a CPU both run torch's RNN);
+  one_gpu         one device, k per-sample forward + backward passes, one optimizer step (the
+                  one-sample model: torch's nn modules, cuDNN);
+  one_gpu_best    the fastest of one_gpu_packed, one_gpu_cudnn and one_gpu. The one-GPU loops compute
+                  the same thing for both forms, so they are measured once per model and k (in the list
+                  point for the packed ones, the one point for one_gpu) and recorded in both.
   Optimizer: Adam(lr=1e-3) everywhere; on GPUs fused=True for our trainer and DDP (vlseq, vlseq_1gpu,
   vlseq_mp, ddp_nccl), and plain Adam for the one-GPU loops, as users write them (the seed's;
   ONE_GPU_LOOPS_FUSED switches them to fused); plain Adam for every method on CPU;
@@ -107,8 +112,9 @@ def _trainer_loop(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.de
     return loop
 
 
-def _one_gpu_loop(spec: ModelSpec, packed: bool, k: int, dev: torch.device, pool: Pool, fused: bool) -> Loop:
-    model = make_model(spec, "list" if packed else "one").to(dev)
+def _one_gpu_loop(spec: ModelSpec, packed: bool, k: int, dev: torch.device, pool: Pool, fused: bool,
+                  rnn_kernels: str = "auto") -> Loop:
+    model = make_model(spec, "list" if packed else "one", rnn_kernels).to(dev)
     opt, feed = _adam(model, fused), Feeder(pool)
     step = _packed_step(model, opt, feed, k, dev) if packed else _per_sample_step(model, opt, feed, k, dev)
     return Loop(step, k, [dev])
@@ -177,8 +183,11 @@ NOTES = {
     "vlseq_mp": "ParallelTrainer(devices=[its device], process_group=WORLD), one process per device",
     "ddp_nccl": "DDP, one process per GPU",
     "ddp_gloo": "DDP over gloo, one process per CPU device",
-    "one_gpu_packed": "one device, k samples packed per step (list model); shared by both forms",
-    "one_gpu": "one device, k per-sample passes, one optimizer step; shared by both forms",
+    "one_gpu_packed": "one device, k samples packed per step (list model, its RNN on vlseq_ext.nn's kernels); shared "
+                      "by both forms",
+    "one_gpu_cudnn": "one device, k samples packed per step (list model, its RNN on torch's cuDNN); shared by both "
+                     "forms",
+    "one_gpu": "one device, k per-sample passes, one optimizer step (torch's RNN modules); shared by both forms",
 }
 
 
@@ -192,7 +201,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
     loops_fused = cuda and ONE_GPU_LOOPS_FUSED
     opt_names = {False: "Adam(lr=1e-3)", True: "Adam(lr=1e-3, fused=True)"}
     optimizer = {m: opt_names[fused] for m in ("vlseq", "vlseq_1gpu", "vlseq_mp", ddp_name)}
-    optimizer.update({m: opt_names[loops_fused] for m in ("one_gpu_packed", "one_gpu", "one_gpu_best")})
+    optimizer.update({m: opt_names[loops_fused] for m in ("one_gpu_packed", "one_gpu_cudnn", "one_gpu", "one_gpu_best")})
     res.set("train.sweep_info", {
         "devices": [str(d) for d in devices], "models": [asdict(s) for s in plan.models], "ks": list(plan.ks),
         "forms": list(FORMS), "pool_samples": plan.pool, "lengths": [plan.min_len, plan.max_len],
@@ -202,6 +211,7 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
         "deadline_s": budget.sweep_deadline_s, "mp_deadline_s": budget.sweep_mp_deadline_s})
     if not cuda:
         res.skip("train.sweep.ddp_nccl", "no GPU in this run: DDP runs over gloo instead (ddp_gloo)")
+        res.skip("train.sweep.one_gpu_cudnn", "no GPU in this run: on a CPU one_gpu_packed runs torch's RNN already")
     res.node("train.sweep")
     clock = _Deadline(budget.sweep_deadline_s)
     out: List[Task] = []
@@ -227,13 +237,19 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
                         _measure(res, path, [path], method, lambda: _trainer_loop(spec, form, k, devs, pool(), fused),
                                  pool(), plan, budget)
                     out.append(Task("sweep", f"{path}.{method}", run))
-            for method, packed, home in (("one_gpu_packed", True, "list"), ("one_gpu", False, "one")):
-                def run(method=method, packed=packed, pool=pool, k=k, spec=spec, paths=paths) -> None:
+            for method, packed, kernels in (("one_gpu_packed", True, "auto"), ("one_gpu_cudnn", True, "cudnn"),
+                                            ("one_gpu", False, "auto")):
+                if method == "one_gpu_cudnn" and not cuda:
+                    continue
+                home = paths["list" if packed else "one"]
+
+                def run(method=method, packed=packed, kernels=kernels, pool=pool, k=k, spec=spec, paths=paths,
+                        home=home) -> None:
                     clock.check()
-                    _measure(res, paths["list" if packed else "one"], list(paths.values()), method,
-                             lambda: _one_gpu_loop(spec, packed, k, devices[0], pool(), loops_fused), pool(), plan,
-                             budget)
-                out.append(Task("sweep", f"{paths[home]}.{method}", run))
+                    _measure(res, home, list(paths.values()), method,
+                             lambda: _one_gpu_loop(spec, packed, k, devices[0], pool(), loops_fused, kernels), pool(),
+                             plan, budget)
+                out.append(Task("sweep", f"{home}.{method}", run))
             for form, path in paths.items():
                 for method in ("vlseq_mp", ddp_name):
                     key = f"{path}.{method}"

@@ -99,9 +99,14 @@ class OneSampleModel(nn.Module):
         return self.fc(feat)
 
 
-def make_model(spec: ModelSpec, form: str) -> nn.Module:
+def make_model(spec: ModelSpec, form: str, rnn_kernels: str = "auto") -> nn.Module:
+    """The point's model, seeded. The list model (SeqModel) runs its RNN on vlseq_ext.nn's kernels
+    where `rnn_kernels` ("auto": SeqModel's default) picks them; OneSampleModel holds torch's own
+    modules (cuDNN) until a trainer swaps them."""
     torch.manual_seed(0)
-    return (SeqModel if form == "list" else OneSampleModel)(**spec.kwargs())
+    if form == "list":
+        return SeqModel(**spec.kwargs(), rnn_kernels=rnn_kernels)
+    return OneSampleModel(**spec.kwargs())
 
 
 @functools.lru_cache(maxsize=None)
