@@ -118,6 +118,11 @@ if runs rnn; then
 fi
 # The step-timing probe (benchmarks/probe/step_timing.cu), built into $bin (probe, windows, ncu);
 # -lineinfo maps ncu's samples to source lines and leaves the SASS as it is.
+# The -I flags of torch's and Python's headers, which the probes that include the kernels' headers need.
+torch_includes() {
+  $PY -c "import sysconfig; from torch.utils.cpp_extension import include_paths as p
+print(' '.join('-I' + i for i in [*p(), sysconfig.get_paths()['include']]))"
+}
 bin=${PROBE_BIN:-/tmp/vlseq_step_timing}
 build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (default: this one's) into the binary,
   # again whenever the tree's sources differ from those it was built from (a warm machine keeps the last call's)
@@ -126,11 +131,9 @@ build_probe() {  # [binary] [source tree]: the probe of the tree's kernels (defa
   sums=$(cd "$tree" && sources_sum csrc benchmarks/probe)
   # (a binary that this function did not build, named by PROBE_BIN, is taken as it is)
   [ -x "$out" ] && { [ ! -e "$out.sources" ] || [ "$(cat "$out.sources")" = "$sums" ]; } && return
-  ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
-  pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   rm -f "$out" "$out.sources"
   ${NVCC:-nvcc} -std=c++20 -arch=sm_90a -lineinfo -O3 -o "$out" "$tree/benchmarks/probe/step_timing.cu" \
-    -I"$tree/csrc/include" -I"$tree/csrc/cuda" $ti -I"$pyi" > "$log" 2>&1 &&
+    -I"$tree/csrc/include" -I"$tree/csrc/cuda" $(torch_includes) > "$log" 2>&1 &&
     echo "$sums" > "$out.sources" || { tail -20 "$log"; rc=1; }
 }
 # PROBE_PATCH=file (a diff against this tree, `git diff` style): the probe is also built from a copy of csrc and
@@ -237,10 +240,8 @@ if [ "$part" = exchange ]; then
 fi
 if [ "$part" = products ]; then
   # (the probe calls the 16-bit forward's half_tile_products from the kernels' header, which includes torch's)
-  ti=$($PY -c "from torch.utils.cpp_extension import include_paths as p; print(' '.join('-I' + i for i in p()))")
-  pyi=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   if ${NVCC:-nvcc} -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/vlseq_wgmma_products \
-    benchmarks/probe/wgmma_products.cu -Icsrc/include -Icsrc/cuda $ti -I"$pyi" > "$OUT/products.log" 2>&1; then
+    benchmarks/probe/wgmma_products.cu -Icsrc/include -Icsrc/cuda $(torch_includes) > "$OUT/products.log" 2>&1; then
     for ns in 16 8; do timeout 60 /tmp/vlseq_wgmma_products $ns 128 480; done >> "$OUT/products.log" 2>&1 || rc=1
   else
     rc=1
