@@ -1,6 +1,7 @@
 """Loads the compiled extension once; everything else asks this module whether it is there."""
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 
@@ -33,4 +34,11 @@ def warn_fallback_once() -> None:
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
-    return LOADED and torch._C._dispatch_has_kernel_for_dispatch_key(f"vlseq_ext::{op}", dispatch_key)
+    return LOADED and _registered(op, dispatch_key)
+
+
+# Registration happens once, when _C is imported, so the dispatcher's answer (a few microseconds, asked on
+# every module forward) is kept; LOADED stays live above because tests switch it off.
+@functools.lru_cache(maxsize=None)
+def _registered(op: str, dispatch_key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"vlseq_ext::{op}", dispatch_key)

@@ -113,8 +113,8 @@ def _trainer_loop(spec: ModelSpec, form: str, k: int, devices: Sequence[torch.de
 
 
 def _one_gpu_loop(spec: ModelSpec, packed: bool, k: int, dev: torch.device, pool: Pool, fused: bool,
-                  rnn_kernels: str = "auto") -> Loop:
-    model = make_model(spec, "list" if packed else "one", rnn_kernels).to(dev)
+                  rnn_kernels: Optional[str]) -> Loop:
+    model = (make_model(spec, "list", rnn_kernels) if packed else make_model(spec, "one")).to(dev)
     opt, feed = _adam(model, fused), Feeder(pool)
     step = _packed_step(model, opt, feed, k, dev) if packed else _per_sample_step(model, opt, feed, k, dev)
     return Loop(step, k, [dev])
@@ -237,8 +237,9 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
                         _measure(res, path, [path], method, lambda: _trainer_loop(spec, form, k, devs, pool(), fused),
                                  pool(), plan, budget)
                     out.append(Task("sweep", f"{path}.{method}", run))
+            # (the one-sample loop's OneSampleModel holds torch's modules whatever rnn_kernels says: None)
             for method, packed, kernels in (("one_gpu_packed", True, "auto"), ("one_gpu_cudnn", True, "cudnn"),
-                                            ("one_gpu", False, "auto")):
+                                            ("one_gpu", False, None)):
                 if method == "one_gpu_cudnn" and not cuda:
                     continue
                 home = paths["list" if packed else "one"]
