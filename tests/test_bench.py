@@ -565,3 +565,59 @@ def test_only_runs_the_chosen_measurements(tmp_path):
                            "--out", str(tmp_path / "b")], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode != 0 and "no measurement of suite diag starts with that" in proc.stderr
+
+
+def _rnn_point(r: Results, name: str, auto, cudnn_ms: float, ours_ms: float) -> None:
+    """A measured rnn-suite point: forward + backward medians, and what `auto` runs there (None: not asked)."""
+    from dataclasses import asdict
+
+    from vlseq_ext.bench import rnn
+    r.set(f"rnn.points.{name}.config", asdict(next(p for p in rnn.POINTS if p.name == name)))
+    if auto is not None:
+        r.set(f"rnn.points.{name}.auto", auto)
+    r.record(f"rnn.points.{name}.fwdbwd_ms", "cudnn", [cudnn_ms])
+    r.record(f"rnn.points.{name}.fwdbwd_ms", "vlseq", [ours_ms])
+
+
+def test_rnn_report_holds_auto_against_the_measured_ratio_and_judges_targets():
+    from vlseq_ext.bench import rnn
+    r = _two_gpu_results("rnn")
+    _rnn_point(r, "lstm64_b1", "cudnn", 0.575, 0.701)     # ours 0.82x, cuDNN kept: "never slower" met by auto
+    _rnn_point(r, "lstm64_b32", "cudnn", 0.692, 0.688)    # parity: no verdict against keeping cuDNN
+    _rnn_point(r, "lstm128_b1", "vlseq", 1.74, 0.826)     # ours 2.1x, run: met
+    _rnn_point(r, "lstm256x2_b1", "cudnn", 5.58, 1.36)    # a rule that kept cuDNN where ours measured 4.1x
+    _rnn_point(r, "gru128_b32", "vlseq", 1.0, 1.2)        # ours run where it measured slower (0.83x)
+    _rnn_point(r, "lstm1024_b32", "cudnn", 32.7, 17.0)    # 1.92x under a target of 2: auto cannot meet that
+    _rnn_point(r, "lstm256x2_b8", None, 8.86, 2.27)       # no target, auto not recorded
+    rnn.finalize(r)
+    pts = r.get("rnn.points")
+    status = {name: node.get("target", {}).get("status") for name, node in pts.items()}
+    assert status == {"lstm64_b1": "met under auto (cuDNN kept)", "lstm64_b32": "met", "lstm128_b1": "met",
+                      "lstm256x2_b1": "met", "gru128_b32": "missed", "lstm1024_b32": "missed", "lstm256x2_b8": None}
+    picked = {name: node.get("auto_check", {}).get("picked") for name, node in pts.items()}
+    assert picked == {"lstm64_b1": "the faster or at parity", "lstm64_b32": "the faster or at parity",
+                      "lstm128_b1": "the faster or at parity", "lstm256x2_b1": "the slower",
+                      "gru128_b32": "the slower", "lstm1024_b32": "the slower", "lstm256x2_b8": None}
+    assert pts["lstm64_b1"]["auto_check"]["ratio"] == 1.0 and pts["lstm128_b1"]["auto_check"]["ratio"] > 2
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in rnn.markdown_lines(r.data) if line.startswith("| ")}
+    assert "| cuDNN | ≥ 1: met under auto (cuDNN kept) |" in rows["lstm64_b1"]
+    assert "| cuDNN (**the slower**) | ≥ 3: met |" in rows["lstm256x2_b1"]
+    assert "| ours (**the slower**) | ≥ 1: missed |" in rows["gru128_b32"]
+    assert "| ours | ≥ 1: met |" in rows["lstm128_b1"]
+    assert rows["lstm256x2_b8"].count("|  |") == 2  # neither auto nor a target to show
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_rnn_suite_asks_auto_what_it_runs(device):
+    """What the rnn suite records as `auto`'s choice is the modules' own: cuDNN on the CPU (no kernels
+    there) and, on a GPU with the kernels, cuDNN only for unpadded hidden 64."""
+    from vlseq_ext import ops
+    from vlseq_ext.bench import rnn
+    point = {p.name: p for p in rnn.POINTS}
+    names = ("lstm64_b1", "lstm64_b32_var", "lstm256x2_b1", "gru256x2bi_b32", "lstm1024_b32_bf16")
+    runs = {name: rnn._auto_runs(point[name], torch.device(device)) for name in names}
+    if device == "cpu" or not ops.has_rnn_kernels():
+        assert set(runs.values()) == {"cudnn"}
+    else:
+        assert runs == {"lstm64_b1": "cudnn", "lstm64_b32_var": "vlseq", "lstm256x2_b1": "vlseq",
+                        "gru256x2bi_b32": "vlseq", "lstm1024_b32_bf16": "vlseq"}
