@@ -95,20 +95,32 @@ def _lengths(p: Point, gen: torch.Generator) -> torch.Tensor:
     return lens
 
 
+def _layer(p: Point, kernels: str, device: torch.device) -> nn.RNNBase:
+    """The point's layer as vlseq_ext.nn's module with `kernels`, on `device`."""
+    kind = vnn.LSTM if p.cell == "lstm" else vnn.GRU
+    return kind(INPUT, p.hidden, num_layers=p.layers, bidirectional=p.bidirectional, batch_first=True,
+                kernels=kernels).to(device)
+
+
+def _autocast(p: Point, device: torch.device):
+    """bf16 autocast for a bf16 point on a GPU; nothing otherwise."""
+    if p.precision == "bf16" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def build(p: Point, method: str, device: torch.device) -> Tuple[Callable[[], None], Callable[[], None]]:
     """(forward, forward + backward) of the point's layer with `method`, as closures over fixed inputs."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    kind = vnn.LSTM if p.cell == "lstm" else vnn.GRU
-    module = kind(INPUT, p.hidden, num_layers=p.layers, bidirectional=p.bidirectional, batch_first=True,
-                  kernels="vlseq" if method == "vlseq" else "cudnn").to(device)
+    module = _layer(p, "vlseq" if method == "vlseq" else "cudnn", device)
     lens = _lengths(p, gen)
     x = torch.randn(p.batch, p.steps, INPUT, generator=gen).to(device)
     x[torch.arange(p.steps)[None, :] >= lens[:, None]] = 0
     params = list(module.parameters())
     dev_lens = lens.to(device)
     varlen = p.lengths != "uniform"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if p.precision == "bf16" else contextlib.nullcontext()
+    amp = _autocast(p, device)
     # Packed once, outside the graph (packing copies the sort order from the host, which a capture
     # cannot): the same input preparation that our path's lengths tensor gets.
     packed = pack_padded_sequence(x, lens, batch_first=True, enforce_sorted=False) if varlen else None
@@ -164,11 +176,9 @@ def tasks(devices: List[torch.device], budget: Budget, res: Results) -> Tuple[Li
 def _plan_text(p: Point, dev: torch.device) -> str:
     """What our module runs at the point (its _layout): the layer's plan, or each direction's or layer's on
     its share of the GPU and how they run at once. Empty when the kernels do not hold it."""
-    kind = vnn.LSTM if p.cell == "lstm" else vnn.GRU
-    module = kind(INPUT, p.hidden, num_layers=p.layers, bidirectional=p.bidirectional, batch_first=True).to(dev)
+    module = _layer(p, "vlseq", dev)
     x = torch.zeros(p.batch, 1, INPUT, device=dev)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if p.precision == "bf16" else contextlib.nullcontext()
-    with precision(p.precision), amp:
+    with precision(p.precision), _autocast(p, dev):
         layout = module._layout(x, p.batch, p.steps)
     weights = p.precision  # fp32, tf32 or bf16: what the module runs (functional.precision_for)
 
@@ -186,13 +196,9 @@ def _plan_text(p: Point, dev: torch.device) -> str:
 def _auto_runs(p: Point, dev: torch.device) -> str:
     """What kernels="auto" (SeqModel's, the trainer's and use_kernels' choice) runs at the point: "vlseq"
     or "cudnn". finalize holds it against the point's measured ratio."""
-    kind = vnn.LSTM if p.cell == "lstm" else vnn.GRU
-    module = kind(INPUT, p.hidden, num_layers=p.layers, bidirectional=p.bidirectional, batch_first=True,
-                  kernels="auto").to(dev)
+    module = _layer(p, "auto", dev)
     x = torch.zeros(p.batch, 1, INPUT, device=dev)
-    cuda_bf16 = p.precision == "bf16" and dev.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda_bf16 else contextlib.nullcontext()
-    with precision(p.precision), amp:
+    with precision(p.precision), _autocast(p, dev):
         return "vlseq" if module.uses_kernels(x, p.batch, padded=p.lengths != "uniform") else "cudnn"
 
 
